@@ -1,0 +1,3 @@
+from selfspec.cli import main
+
+raise SystemExit(main())

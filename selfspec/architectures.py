@@ -1,0 +1,221 @@
+"""What differs between the supported decoder architectures, as data.
+
+Every supported family is a pre-norm decoder with rotary attention and a gated MLP; the
+differences are a handful of switches. `ModelSpec.from_hf_config` reads them from a
+transformers config; `weights_from_state_dict` maps HF parameter names onto the runtime's
+fused, pre-transposed layout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from selfspec.errors import SelfSpecError
+
+# model_type -> family switches that are not in the config itself.
+_FAMILIES: dict[str, dict] = {
+    "llama": dict(norm="llama", sandwich_norms=False, qk_norm=False, qkv_bias_key="attention_bias"),
+    "mistral": dict(norm="llama", sandwich_norms=False, qk_norm=False, qkv_bias_key=None),
+    "qwen2": dict(norm="llama", sandwich_norms=False, qk_norm=False, qkv_bias_key="always"),
+    "qwen3": dict(norm="llama", sandwich_norms=False, qk_norm=True, qkv_bias_key="attention_bias"),
+    "gemma3_text": dict(norm="gemma", sandwich_norms=True, qk_norm=True, qkv_bias_key="attention_bias"),
+}
+SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
+
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "gelu_new": "gelu_tanh"}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape and switches of one decoder, independent of where the weights came from."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    activation: str  # "silu" | "gelu_tanh" | "gelu"
+    norm: str  # "llama": w * norm(x); "gemma": (1 + w) * norm(x), all in fp32
+    sandwich_norms: bool  # Gemma: extra norms after attention and after the MLP
+    qk_norm: bool  # per-head RMSNorm on q and k before rotary (Qwen3, Gemma 3)
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    embed_scale: float | None  # Gemma multiplies embeddings by sqrt(hidden)
+    attn_scale: float
+    sliding_windows: tuple[int | None, ...]  # per layer; None = full causal attention
+    rope_kinds: tuple[str, ...]  # per layer: key into the rotary tables ("default" or a layer type)
+    final_logit_softcap: float | None
+    tie_embeddings: bool
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...] = field(default=())
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @staticmethod
+    def from_hf_config(config) -> "ModelSpec":
+        mt = getattr(config, "model_type", None)
+        if mt == "gemma3" and hasattr(config, "text_config"):
+            config = config.text_config
+            mt = config.model_type
+        if mt not in _FAMILIES:
+            raise SelfSpecError(
+                f"unsupported architecture {mt!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        fam = _FAMILIES[mt]
+        n_layers = config.num_hidden_layers
+        n_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+        if act not in _ACTIVATIONS:
+            raise SelfSpecError(f"unsupported activation {act!r} in {mt} config")
+        bias_key = fam["qkv_bias_key"]
+        qkv_bias = bias_key == "always" or bool(bias_key and getattr(config, bias_key, False))
+        o_bias = mt != "qwen2" and qkv_bias
+        layer_types = getattr(config, "layer_types", None)
+        window = getattr(config, "sliding_window", None)
+        if layer_types is not None:
+            windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
+        else:  # Mistral: one window (or none) for every layer
+            windows = tuple(window for _ in range(n_layers))
+        rope_params = getattr(config, "rope_parameters", None) or {}
+        per_type_rope = layer_types is not None and all(t in rope_params for t in set(layer_types))
+        rope_kinds = tuple(layer_types) if per_type_rope else tuple("default" for _ in range(n_layers))
+        if getattr(config, "attn_logit_softcapping", None):
+            raise SelfSpecError("attention logit soft-capping (Gemma 2) is not supported")
+        qpas = getattr(config, "query_pre_attn_scalar", None)
+        attn_scale = (qpas if mt.startswith("gemma") and qpas else head_dim) ** -0.5
+        eos = getattr(config, "eos_token_id", None)
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        return ModelSpec(
+            model_type=mt,
+            num_layers=n_layers,
+            hidden_size=config.hidden_size,
+            num_heads=n_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
+            head_dim=head_dim,
+            intermediate_size=config.intermediate_size,
+            vocab_size=config.vocab_size,
+            rms_norm_eps=config.rms_norm_eps,
+            activation=_ACTIVATIONS[act],
+            norm=fam["norm"],
+            sandwich_norms=fam["sandwich_norms"],
+            qk_norm=fam["qk_norm"],
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            embed_scale=math.sqrt(config.hidden_size) if mt.startswith("gemma") else None,
+            attn_scale=attn_scale,
+            sliding_windows=windows,
+            rope_kinds=rope_kinds,
+            final_logit_softcap=getattr(config, "final_logit_softcapping", None),
+            tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            max_position_embeddings=config.max_position_embeddings,
+            eos_token_ids=eos_ids,
+        )
+
+
+def rotary_tables(config, spec: ModelSpec, length: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """cos/sin tables [length, head_dim] (fp32) per rope kind, computed by the model's own
+    transformers rotary module so every RoPE variant (llama3, yarn, linear...) is exactly HF's."""
+    if spec.model_type == "gemma3_text":
+        from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding as Rotary
+    elif spec.model_type == "qwen3":
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding as Rotary
+    elif spec.model_type == "qwen2":
+        from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding as Rotary
+    elif spec.model_type == "mistral":
+        from transformers.models.mistral.modeling_mistral import MistralRotaryEmbedding as Rotary
+    else:
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding as Rotary
+    if getattr(config, "text_config", None) is not None and spec.model_type == "gemma3_text":
+        config = config.text_config
+    rotary = Rotary(config)
+    pos = torch.arange(length)[None]
+    probe = torch.zeros(1, dtype=torch.float32)
+    tables = {}
+    with torch.no_grad():
+        for kind in sorted(set(spec.rope_kinds)):
+            cos, sin = rotary(probe, pos, kind) if kind != "default" else rotary(probe, pos)
+            tables[kind] = (cos[0].float(), sin[0].float())
+    return tables
+
+
+def _strip_prefix(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in sd.items():
+        for prefix in ("model.language_model.", "language_model.model.", "model."):
+            if k.startswith(prefix):
+                k = "model." + k[len(prefix):]
+                break
+        out[k] = v
+    return out
+
+
+def weights_from_state_dict(spec: ModelSpec, sd: dict[str, torch.Tensor], dtype: torch.dtype, device) -> dict:
+    """HF names -> runtime layout: linear weights transposed to [in, out] (see runtime.py
+    for why), q|k|v and gate|up fused into one matrix each (one matmul instead of 3 / 2)."""
+    sd = _strip_prefix(sd)
+
+    def get(name: str) -> torch.Tensor:
+        if name not in sd:
+            raise SelfSpecError(f"checkpoint is missing tensor {name!r}")
+        return sd[name]
+
+    def t(w: torch.Tensor) -> torch.Tensor:  # [out, in] -> [in, out] contiguous
+        return w.to(device=device, dtype=dtype).t().contiguous()
+
+    def vec(w: torch.Tensor, norm: bool = False) -> torch.Tensor:
+        # Norm weights stay fp32 (both families normalise in fp32); Gemma's (1 + w) is folded in.
+        if norm:
+            w = w.float() + (1.0 if spec.norm == "gemma" else 0.0)
+            return w.to(device)
+        return w.to(device=device, dtype=dtype)
+
+    layers = []
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        layer = {
+            "wqkv": t(torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")], 0)),
+            "wo": t(get(a + "o_proj.weight")),
+            "w_gate_up": t(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], 0)),
+            "w_down": t(get(p + "mlp.down_proj.weight")),
+            "attn_norm": vec(get(p + "input_layernorm.weight"), norm=True),
+        }
+        if spec.qkv_bias:
+            layer["bqkv"] = vec(torch.cat([get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")], 0))
+        if spec.o_bias:
+            layer["bo"] = vec(get(a + "o_proj.bias"))
+        if spec.mlp_bias:
+            layer["b_gate_up"] = vec(torch.cat([get(p + "mlp.gate_proj.bias"), get(p + "mlp.up_proj.bias")], 0))
+            layer["b_down"] = vec(get(p + "mlp.down_proj.bias"))
+        if spec.qk_norm:
+            layer["q_norm"] = vec(get(a + "q_norm.weight"), norm=True)
+            layer["k_norm"] = vec(get(a + "k_norm.weight"), norm=True)
+        if spec.sandwich_norms:
+            layer["post_attn_norm"] = vec(get(p + "post_attention_layernorm.weight"), norm=True)
+            layer["mlp_norm"] = vec(get(p + "pre_feedforward_layernorm.weight"), norm=True)
+            layer["post_mlp_norm"] = vec(get(p + "post_feedforward_layernorm.weight"), norm=True)
+        else:
+            layer["mlp_norm"] = vec(get(p + "post_attention_layernorm.weight"), norm=True)
+        layers.append(layer)
+    embed = get("model.embed_tokens.weight")
+    head = embed if spec.tie_embeddings or "lm_head.weight" not in sd else sd["lm_head.weight"]
+    out = {
+        "layers": layers,
+        "final_norm": vec(get("model.norm.weight"), norm=True),
+        "head": t(head),  # [H, V]
+    }
+    # Tied models embed by gathering columns of the head: no second copy of the largest matrix.
+    out["embed"] = None if head is embed else embed.to(device=device, dtype=dtype).contiguous()
+    return out

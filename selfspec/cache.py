@@ -1,0 +1,49 @@
+"""A static, position-indexed KV cache (gpt-fast style).
+
+Every layer owns a preallocated [kv_heads, capacity, head_dim] buffer for keys and values.
+Writers put position p at row p; readers attend over the whole buffer with a mask that
+hides every row at or beyond the query's position. So the cache needs no notion of "length":
+the engine keeps the number of committed tokens, and rolling back a rejected draft is just
+not advancing that number; stale rows are overwritten before any query can see them.
+
+Attending over the full capacity (not just the filled prefix) keeps every call's shapes
+identical, which is what makes a verify pass over k+1 positions give bit-identical rows to
+k+1 single-token decode steps (the losslessness guarantee depends on it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype, device):
+        self.capacity = capacity
+        # Zero-initialised: masked rows multiply finite values by probability 0.
+        # Keys are stored transposed, [layers, kv_heads, head_dim, capacity], so q @ kt uses
+        # the same (row-count-invariant) BLAS kernel family as the linear layers.
+        self.kt = torch.zeros((num_layers, num_kv_heads, head_dim, capacity), dtype=dtype, device=device)
+        self.v = torch.zeros((num_layers, num_kv_heads, capacity, head_dim), dtype=dtype, device=device)
+        self.positions = torch.arange(capacity, device=device)
+
+    def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [kv_heads, T, head_dim] for positions pos..pos+T-1."""
+        t = k.shape[1]
+        self.kt[layer, :, :, pos : pos + t] = k.transpose(1, 2)
+        self.v[layer, :, pos : pos + t] = v
+
+    def mask(self, pos: int, t: int, window: int | None) -> torch.Tensor:
+        """Boolean [T, capacity]: query at pos+i may see key j iff j <= pos+i and, with a
+        sliding window, j > pos+i-window (transformers' convention)."""
+        q = self.positions[pos : pos + t, None]
+        keys = self.positions[None, :]
+        allowed = keys <= q
+        if window is not None:
+            allowed &= keys > q - window
+        return allowed
+
+    @staticmethod
+    def capacity_for(total_tokens: int, block: int = 256) -> int:
+        """Round up so that runs of different strategies over the same prompt and budget
+        share one capacity (and so bit-identical attention shapes)."""
+        return ((total_tokens + block - 1) // block) * block

@@ -1,0 +1,213 @@
+"""The engine loop: prefill, then draft -> verify -> accept until a stop condition.
+
+    pending = first token sampled from the prompt's logits
+    loop:
+        draft  = drafter.draft(step)                  # k proposals from part of the model
+        logits = drafter.verify(step, draft)          # full model over pending + drafts
+        n, nxt = accept(draft, logits)                # greedy prefix / speculative sampling
+        commit draft[:n] + [nxt]; pending = nxt       # rejected KV rows: just not committed
+
+Autoregressive decoding is the same loop with drafts of length 0.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from selfspec.config import MAX_SPECULATIONS, GenerationConfig, SamplingConfig
+from selfspec.drafters import Drafter, Step
+from selfspec.sampling import make_rng, probs_from_logits, sample
+from selfspec.verification import greedy_accept, speculative_accept
+
+
+@dataclass
+class GenerationStats:
+    new_tokens: int = 0
+    prompt_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    verify_steps: int = 0
+    per_position_drafted: list[int] = field(default_factory=list)
+    per_position_accepted: list[int] = field(default_factory=list)
+    time_prefill_s: float = 0.0
+    time_draft_s: float = 0.0
+    time_verify_s: float = 0.0
+    time_s: float = 0.0
+    time_to_first_token_s: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens produced per verify step, the verifier's own token included."""
+        return (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.time_s if self.time_s > 0 else 0.0
+
+    @property
+    def time_other_s(self) -> float:
+        return max(self.time_s - self.time_prefill_s - self.time_draft_s - self.time_verify_s, 0.0)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for name in ("acceptance_rate", "mean_accepted_length", "tokens_per_second", "time_other_s"):
+            d[name] = getattr(self, name)
+        return d
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # new tokens only
+    prompt_tokens: int
+    finish_reason: str  # "eos" | "stop" | "length"
+    stats: GenerationStats
+    drafted_mask: list[bool]  # per new token: was it a draft the verifier accepted?
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "prompt_tokens": self.prompt_tokens,
+            "finish_reason": self.finish_reason,
+            "stats": self.stats.to_dict(),
+        }
+
+
+@dataclass
+class StreamEvent:
+    text: str  # text delta since the previous event (may be empty mid-character)
+    token_id: int
+    drafted: bool  # True: an accepted draft token; False: produced by the verifier
+
+
+class _Output:
+    """Collects committed tokens one at a time and applies the stop rules exactly as plain
+    decoding would: EOS (kept in token_ids, not in text), max_new_tokens, stop strings
+    (text cut before the stop string; token_ids keep the token that completed it)."""
+
+    def __init__(self, tokenizer, gen: GenerationConfig, eos_ids, on_event):
+        self.tok = tokenizer
+        self.gen = gen
+        self.eos = set(eos_ids)
+        self.on_event = on_event
+        self.ids: list[int] = []
+        self.drafted: list[bool] = []
+        self.text = ""
+        self.finish: str | None = None
+        self._track_text = bool(gen.stop) or on_event is not None
+        self._emitted = 0
+
+    def _decode(self) -> str:
+        return self.tok.decode(self.ids, skip_special_tokens=True) if self.tok is not None else ""
+
+    def push(self, tokens: list[int], drafted: list[bool]) -> None:
+        for t, d in zip(tokens, drafted):
+            if self.finish is not None:
+                return
+            self.ids.append(t)
+            self.drafted.append(d)
+            if t in self.eos:
+                self.finish = "eos"
+            elif self._track_text:
+                self._update_text()
+            if self.finish is None and len(self.ids) >= self.gen.max_new_tokens:
+                self.finish = "length"
+            if self.on_event is not None:
+                self._emit(t, d)
+
+    def _update_text(self) -> None:
+        text = self._decode()
+        if self.gen.stop:
+            longest = max(len(s) for s in self.gen.stop)
+            start = max(0, len(self.text) - longest)
+            hits = [i for i in (text.find(s, start) for s in self.gen.stop) if i >= 0]
+            if hits:
+                text = text[: min(hits)]
+                self.finish = "stop"
+        self.text = text
+
+    def _emit(self, token: int, drafted: bool) -> None:
+        text = self.text
+        # hold back an incomplete multi-byte character until it is complete
+        safe = len(text) if self.finish is not None or not text.endswith("\ufffd") else len(text) - 1
+        delta = text[self._emitted : safe] if safe > self._emitted else ""
+        self._emitted = max(self._emitted, safe)
+        self.on_event(StreamEvent(delta, token, drafted))
+
+    def final_text(self) -> str:
+        return self.text if self._track_text else self._decode()
+
+
+def generate(
+    runtime,
+    drafter: Drafter,
+    prompt_ids: list[int],
+    gen: GenerationConfig,
+    sampling: SamplingConfig,
+    tokenizer=None,
+    eos_ids: tuple[int, ...] = (),
+    on_event: Callable[[StreamEvent], None] | None = None,
+) -> GenerationResult:
+    clock = time.perf_counter
+    t_start = clock()
+    stats = GenerationStats(prompt_tokens=len(prompt_ids))
+    K = drafter.cfg.num_speculations if drafter.cfg.speculative else 0
+    stats.per_position_drafted, stats.per_position_accepted = [0] * K, [0] * K
+    rng = make_rng(sampling.seed, runtime.device)
+    # One capacity for every strategy (prompt + budget + the largest draft): identical
+    # attention shapes are part of what keeps speculative output bit-identical.
+    cache = runtime.new_cache(len(prompt_ids) + gen.max_new_tokens + MAX_SPECULATIONS + 2)
+    out = _Output(tokenizer, gen, eos_ids, on_event)
+
+    def pick(logits: torch.Tensor) -> int:
+        return int(logits.argmax()) if sampling.greedy else sample(probs_from_logits(logits, sampling), rng)
+
+    with torch.inference_mode():
+        ids = torch.tensor(prompt_ids, device=runtime.device)
+        first = pick(drafter.prefill(ids, cache))
+        stats.time_prefill_s = clock() - t_start
+        stats.time_to_first_token_s = stats.time_prefill_s
+        tokens = list(prompt_ids) + [first]
+        out.push([first], [False])
+        while out.finish is None:
+            remaining = gen.max_new_tokens - len(out.ids)
+            step = Step(tokens, len(tokens) - 1, min(K, remaining - 1), cache, sampling, rng)
+            t0 = clock()
+            draft = drafter.draft(step)
+            t1 = clock()
+            logits = drafter.verify(step, draft)  # [k+1, V]
+            if sampling.greedy:
+                n, nxt = greedy_accept(draft.tokens, logits)
+            else:
+                n, nxt = speculative_accept(draft.tokens, _probs(draft, logits), probs_from_logits(logits, sampling), rng)
+            drafter.accepted(step, draft, n)
+            t2 = clock()
+            stats.time_draft_s += t1 - t0
+            stats.time_verify_s += t2 - t1
+            stats.verify_steps += 1
+            stats.drafted += len(draft.tokens)
+            stats.accepted += n
+            for i in range(len(draft.tokens)):
+                stats.per_position_drafted[i] += 1
+                stats.per_position_accepted[i] += i < n
+            new = draft.tokens[:n] + [nxt]
+            tokens.extend(new)
+            out.push(new, [True] * n + [False])
+    stats.time_s = clock() - t_start
+    stats.new_tokens = len(out.ids)
+    return GenerationResult(out.final_text(), out.ids, len(prompt_ids), out.finish, stats, out.drafted)
+
+
+def _probs(draft, logits: torch.Tensor) -> torch.Tensor:
+    if not draft.tokens:
+        return logits.new_zeros((0, logits.shape[-1]))
+    return draft.probs_tensor()

@@ -1,0 +1,210 @@
+"""The public object: a loaded model that generates, with or without self-speculation.
+
+    m = selfspec.load("gemma-3-270m", dtype="float32")
+    out = m.generate("def f(x):", max_new_tokens=64, strategy="early-exit", exit_layer=12)
+    out.text, out.token_ids, out.stats
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, fields
+
+import torch
+
+from selfspec.architectures import ModelSpec
+from selfspec.config import DraftConfig, GenerationConfig, SamplingConfig
+from selfspec.drafters import Drafter, make_drafter
+from selfspec.engine import GenerationResult, StreamEvent, generate
+from selfspec.errors import SelfSpecError
+from selfspec.profiles import Profile, load_profile
+from selfspec.runtime import Runtime
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+_DRAFT_FIELDS = {f.name for f in fields(DraftConfig)}
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_dtype(device: str) -> str:
+    if device.startswith("cuda"):
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+    try:
+        return "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
+    except Exception:
+        return "float32"
+
+
+def resolve_dtype(dtype, device: str) -> torch.dtype:
+    if dtype is None:
+        dtype = default_dtype(device)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise SelfSpecError(f"unsupported dtype {dtype!r}; choose float32 or bfloat16")
+    return _DTYPES[dtype]
+
+
+def resolve_device(device) -> str:
+    device = device or default_device()
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise SelfSpecError("--device cuda requested but no CUDA GPU is available")
+    if not (str(device) == "cpu" or str(device).startswith("cuda")):
+        raise SelfSpecError(f"unsupported device {device!r}; choose cpu or cuda")
+    return str(device)
+
+
+def fingerprint(spec: ModelSpec, runtime: Runtime) -> str:
+    """A short id of the weights and shape, the same for float32 and bfloat16 loads."""
+    h = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True, default=str).encode())
+    probes = [runtime.head[:, :64], runtime.layers[0]["wqkv"][:, :64], runtime.layers[-1]["w_down"][:, :64]]
+    for t in probes:
+        h.update(t.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class SelfSpecModel:
+    def __init__(self, runtime: Runtime, tokenizer, name: str = ""):
+        self.runtime = runtime
+        self.tokenizer = tokenizer
+        self.name = name
+        self.spec = runtime.spec
+        self.fingerprint = fingerprint(self.spec, runtime)
+        eos = set(self.spec.eos_token_ids)
+        gen_eos = getattr(getattr(runtime, "generation_config", None), "eos_token_id", None)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        if gen_eos is not None:
+            eos.update(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
+        self.eos_token_ids = tuple(sorted(eos))
+        self._drafters: dict[DraftConfig, Drafter] = {}
+        self._draft_models: dict[str, Runtime] = {}
+
+    @property
+    def context_length(self) -> int:
+        return self.spec.max_position_embeddings
+
+    def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+        if isinstance(prompt, (list, tuple)):
+            ids = [int(t) for t in prompt]
+        else:
+            if not isinstance(prompt, str):
+                raise SelfSpecError("prompt must be a string or a list of token ids")
+            if self.tokenizer is None:
+                raise SelfSpecError("this model has no tokenizer: pass token ids, or load with tokenizer=...")
+            if chat:
+                if not getattr(self.tokenizer, "chat_template", None):
+                    raise SelfSpecError("this tokenizer has no chat template")
+                ids = self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+                )
+                if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                    ids = ids["input_ids"]
+            else:
+                ids = self.tokenizer(prompt).input_ids if prompt else []
+        if not ids or (isinstance(prompt, str) and not prompt.strip()):
+            raise SelfSpecError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise SelfSpecError(f"token id {bad[0]} is outside the vocabulary (size {self.spec.vocab_size})")
+        if len(ids) >= self.context_length:
+            raise SelfSpecError(f"the prompt has {len(ids)} tokens; this model's context is {self.context_length}")
+        return ids
+
+    def draft_config(self, strategy: str | None = None, profile: str | Profile | None = None, **options) -> DraftConfig:
+        unknown = set(options) - _DRAFT_FIELDS
+        if unknown:
+            raise SelfSpecError(f"unknown option(s): {', '.join(sorted(unknown))}")
+        base: dict = {}
+        if profile is not None:
+            prof = profile if isinstance(profile, Profile) else load_profile(profile, self.fingerprint)
+            if prof.model_fingerprint != self.fingerprint:
+                raise SelfSpecError("the profile was made for another model")
+            base = prof.draft.to_dict()
+        if strategy is not None:
+            base["strategy"] = strategy
+        base.update({k: v for k, v in options.items() if v is not None})
+        return DraftConfig.from_dict(base)
+
+    def drafter(self, cfg: DraftConfig) -> Drafter:
+        if cfg not in self._drafters:
+            draft_rt = self._draft_runtime(cfg.draft_model) if cfg.strategy == "draft-model" else None
+            d = make_drafter(self.runtime, cfg, self.eos_token_ids, draft_rt)
+            if cfg.draft_vocab is not None:
+                d.set_draft_vocab(self.draft_vocabulary(cfg.draft_vocab))
+            self._drafters[cfg] = d
+        return self._drafters[cfg]
+
+    def draft_vocabulary(self, n: int) -> torch.Tensor:
+        """The n token ids used as the restricted draft vocabulary (lowest ids as a fallback
+        ordering until a frequency table is attached with `set_token_frequencies`)."""
+        order = getattr(self, "_token_order", None)
+        if order is None:
+            order = torch.arange(self.spec.vocab_size)
+        return order[:n].sort().values.to(self.runtime.device)
+
+    def set_token_frequencies(self, order: torch.Tensor) -> None:
+        """Token ids, most frequent first: defines the restricted draft vocabularies."""
+        self._token_order = order.to(torch.long)
+        self._drafters = {k: v for k, v in self._drafters.items() if k.draft_vocab is None}
+
+    def _draft_runtime(self, source: str) -> Runtime:
+        if source not in self._draft_models:
+            from selfspec.loading import load_source
+
+            sd, config, tok, _ = load_source(source)
+            spec = ModelSpec.from_hf_config(config)
+            if tok is not None and self.tokenizer is not None and tok.get_vocab() != self.tokenizer.get_vocab():
+                raise SelfSpecError(f"the draft model {source} uses another tokenizer than the target model")
+            if abs(spec.vocab_size - self.spec.vocab_size) > 1024:
+                raise SelfSpecError(f"the draft model's vocabulary ({spec.vocab_size}) does not match the target's ({self.spec.vocab_size})")
+            self._draft_models[source] = Runtime.from_state_dict(spec, sd, config, self.runtime.dtype, self.runtime.device)
+        return self._draft_models[source]
+
+    def generate(
+        self,
+        prompt: str | list[int],
+        *,
+        max_new_tokens: int = GenerationConfig.max_new_tokens,
+        temperature: float = SamplingConfig.temperature,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        stop: list[str] | str | None = None,
+        chat: bool = False,
+        strategy: str | None = None,
+        profile: str | Profile | None = None,
+        draft: DraftConfig | None = None,
+        on_event=None,
+        **draft_options,
+    ) -> GenerationResult:
+        gen = GenerationConfig(max_new_tokens=max_new_tokens, stop=tuple(stop) if isinstance(stop, (list, tuple)) else (stop or ()), chat=chat)
+        sampling = SamplingConfig(temperature=float(temperature), top_k=top_k, top_p=top_p, seed=seed)
+        cfg = draft if draft is not None else self.draft_config(strategy, profile, **draft_options)
+        ids = self.encode(prompt, chat)
+        budget = min(gen.max_new_tokens, self.context_length - len(ids))
+        if budget != gen.max_new_tokens:
+            gen = GenerationConfig(budget, gen.stop, gen.chat)
+        return generate(self.runtime, self.drafter(cfg), ids, gen, sampling, self.tokenizer, self.eos_token_ids, on_event)
+
+
+def load(
+    source="gemma-3-270m",
+    *,
+    tokenizer=None,
+    dtype: str | torch.dtype | None = None,
+    device: str | None = None,
+) -> SelfSpecModel:
+    """Load from a built-in alias, a HF model directory, a .gguf file, or a transformers
+    model object (its weights are read, never modified)."""
+    from selfspec.loading import load_source
+
+    device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, device)
+    sd, config, tok, name = load_source(source, tokenizer)
+    spec = ModelSpec.from_hf_config(config)
+    runtime = Runtime.from_state_dict(spec, sd, config, torch_dtype, device)
+    return SelfSpecModel(runtime, tok, name)

@@ -1,0 +1,72 @@
+"""Draft profiles: a saved DraftConfig plus the fingerprint of the model it was made for.
+
+Search and training write them; generate/bench/serve read them with --profile. Writes are
+atomic (temporary file, then rename) so a crash never leaves half a profile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from selfspec.config import DraftConfig
+from selfspec.errors import SelfSpecError
+
+FORMAT = "selfspec-profile/1"
+
+
+@dataclass
+class Profile:
+    draft: DraftConfig
+    model_fingerprint: str
+    model_name: str = ""
+    metrics: dict = field(default_factory=dict)  # e.g. measured speedup, acceptance
+
+    def to_dict(self) -> dict:
+        return {
+            "format": FORMAT,
+            "model_fingerprint": self.model_fingerprint,
+            "model_name": self.model_name,
+            "draft": self.draft.to_dict(),
+            "metrics": self.metrics,
+        }
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_profile(profile: Profile, path: str | os.PathLike) -> None:
+    atomic_write_text(path, json.dumps(profile.to_dict(), indent=2) + "\n")
+
+
+def load_profile(path: str | os.PathLike, fingerprint: str | None = None) -> Profile:
+    try:
+        d = json.loads(Path(path).read_text())
+    except FileNotFoundError as e:
+        raise SelfSpecError(f"profile not found: {path}") from e
+    except (OSError, json.JSONDecodeError) as e:
+        raise SelfSpecError(f"cannot read profile {path}: {e}") from e
+    if not isinstance(d, dict) or d.get("format") != FORMAT or "draft" not in d:
+        raise SelfSpecError(f"{path} is not a selfspec draft profile (expected format {FORMAT})")
+    if fingerprint is not None and d.get("model_fingerprint") != fingerprint:
+        raise SelfSpecError(
+            f"profile {path} was made for another model (fingerprint {d.get('model_fingerprint')}, this model is {fingerprint})"
+        )
+    try:
+        draft = DraftConfig.from_dict(d["draft"])
+    except TypeError as e:
+        raise SelfSpecError(f"bad draft options in {path}: {e}") from e
+    return Profile(draft, d.get("model_fingerprint", ""), d.get("model_name", ""), d.get("metrics", {}))

@@ -1,0 +1,183 @@
+"""The model runtime: our own layer loop over weights taken from a transformers model.
+
+Primitives (what drafting and verification are built from):
+  embed(ids)                      -> h [T, H]
+  run_layers(h, start, end, pos)  -> h after layers start..end-1, KV written at pos..pos+T-1
+  logits(h, vocab=None)           -> [T, V] (or [T, len(vocab)] over a draft vocabulary)
+Sub-layers can be skipped per call (`skip_attn`, `skip_mlp`: the residual passes through).
+
+Batch size is 1 and tensors carry no batch dimension. Two choices make a verify pass over T
+positions produce *bit-identical* rows to T single-token steps (so speculative greedy output
+equals autoregressive output exactly, not just up to rounding):
+  * every matmul is `x @ w` with w stored [in, out] (BLAS's transposed-B kernels
+    switch algorithms with the row count) and x padded to >= 2 rows: on the CPU
+    BLAS, the M=1 (gemv) kernel rounds differently from M>=2, while M>=2 rows agree;
+  * attention always spans the cache's full capacity under a mask (see cache.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from selfspec.architectures import ModelSpec, rotary_tables, weights_from_state_dict
+from selfspec.cache import KVCache
+
+
+def _mm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, in] @ w [in, out] (+ b). A single row is padded to two (see module doc)."""
+    y = (torch.cat([x, x]) @ w)[:1] if x.shape[0] == 1 else x @ w
+    return y if b is None else y + b
+
+
+class Runtime:
+    def __init__(self, spec: ModelSpec, weights: dict, hf_config, dtype: torch.dtype, device: torch.device):
+        self.spec = spec
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.layers: list[dict] = weights["layers"]
+        self.final_norm: torch.Tensor = weights["final_norm"]
+        self.head: torch.Tensor = weights["head"]  # [H, V]
+        self.embed_weight: torch.Tensor | None = weights["embed"]  # [V, H] if untied
+        self.hf_config = hf_config
+        self._rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rope_len = 0
+        s = spec
+        self._q, self._kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        self._act = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}[s.activation]
+        self._embed_scale = (
+            None if s.embed_scale is None else torch.tensor(s.embed_scale, dtype=dtype).item()
+        )
+
+    @classmethod
+    def from_state_dict(cls, spec: ModelSpec, state_dict: dict, hf_config, dtype=torch.float32, device="cpu"):
+        weights = weights_from_state_dict(spec, state_dict, dtype, device)
+        return cls(spec, weights, hf_config, dtype, torch.device(device))
+
+    @property
+    def num_layers(self) -> int:
+        return self.spec.num_layers
+
+    def new_cache(self, total_tokens: int) -> KVCache:
+        cap = KVCache.capacity_for(total_tokens)
+        self._ensure_rope(cap)
+        s = self.spec
+        return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, cap, self.dtype, self.device)
+
+    def _ensure_rope(self, length: int) -> None:
+        if length <= self._rope_len:
+            return
+        tables = rotary_tables(self.hf_config, self.spec, length)
+        # HF casts cos/sin to the activation dtype before use; we do the same once here.
+        self._rope = {k: (c.to(self.device, self.dtype), s.to(self.device, self.dtype)) for k, (c, s) in tables.items()}
+        self._rope_len = length
+
+    # ---- primitives -------------------------------------------------------------------
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] -> [T, H]."""
+        if self.embed_weight is not None:
+            h = self.embed_weight[ids]
+        else:
+            h = self.head.index_select(1, ids).t()  # tied: the head's columns are the embeddings
+        if self._embed_scale is not None:
+            h = h * self._embed_scale
+        return h.contiguous()
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        # Both families normalise in fp32; Llama multiplies by w after casting back, Gemma before
+        # (its (1 + w) is folded into w at load time).
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
+        if self.spec.norm == "gemma":
+            return (xf * w).to(x.dtype)
+        return w.to(x.dtype) * xf.to(x.dtype) if x.dtype != torch.float32 else xf * w
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [heads, T, D]; cos/sin [T, D] (HF's rotate_half convention)."""
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    def _attention(self, i: int, x: torch.Tensor, pos: int, cache: KVCache, mask: torch.Tensor) -> torch.Tensor:
+        s, L = self.spec, self.layers[i]
+        T = x.shape[0]
+        qkv = _mm(self._norm(x, L["attn_norm"]), L["wqkv"], L.get("bqkv"))
+        q, k, v = qkv.split([self._q, self._kv, self._kv], dim=-1)
+        q = q.view(T, s.num_heads, s.head_dim).transpose(0, 1)  # [nh, T, D]
+        k = k.view(T, s.num_kv_heads, s.head_dim).transpose(0, 1)  # [nkv, T, D]
+        v = v.view(T, s.num_kv_heads, s.head_dim).transpose(0, 1)
+        if s.qk_norm:
+            q = self._norm(q, L["q_norm"])
+            k = self._norm(k, L["k_norm"])
+        cos, sin = self._rope[s.rope_kinds[i]]
+        cos, sin = cos[pos : pos + T], sin[pos : pos + T]
+        q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        cache.write(i, pos, k, v)
+        # Group the query heads that share a kv head: [nkv, g*T, D]. A lone row is padded
+        # to two, as in _mm, so decode and verify hit the same matmul kernel.
+        g, nkv, C = s.group_size, s.num_kv_heads, cache.capacity
+        rows = g * T
+        qg = q.reshape(nkv, rows, s.head_dim)
+        if rows == 1:
+            qg = torch.cat([qg, qg], dim=1)
+        scores = torch.matmul(qg, cache.kt[i])[:, :rows]  # [nkv, rows, C]
+        scores = (scores.float() * s.attn_scale).view(nkv, g, T, C).masked_fill(~mask, float("-inf"))
+        probs = scores.softmax(-1).to(x.dtype).view(nkv, rows, C)
+        if rows == 1:
+            probs = torch.cat([probs, probs], dim=1)
+        out = torch.matmul(probs, cache.v[i])[:, :rows]  # [nkv, rows, D]
+        out = out.view(s.num_heads, T, s.head_dim).transpose(0, 1).reshape(T, self._q)
+        out = _mm(out, L["wo"], L.get("bo"))
+        if s.sandwich_norms:
+            out = self._norm(out, L["post_attn_norm"])
+        return out
+
+    def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        L = self.layers[i]
+        gu = _mm(self._norm(x, L["mlp_norm"]), L["w_gate_up"], L.get("b_gate_up"))
+        gate, up = gu.chunk(2, dim=-1)
+        out = _mm(self._act(gate) * up, L["w_down"], L.get("b_down"))
+        if self.spec.sandwich_norms:
+            out = self._norm(out, L["post_mlp_norm"])
+        return out
+
+    def masks(self, pos: int, t: int, cache: KVCache) -> dict[int | None, torch.Tensor]:
+        return {w: cache.mask(pos, t, w) for w in set(self.spec.sliding_windows)}
+
+    def run_layers(
+        self,
+        h: torch.Tensor,
+        start: int,
+        end: int,
+        pos: int,
+        cache: KVCache,
+        skip_attn: frozenset[int] = frozenset(),
+        skip_mlp: frozenset[int] = frozenset(),
+        masks: dict | None = None,
+    ) -> torch.Tensor:
+        """h [T, H] holds positions pos..pos+T-1 at the input of layer `start`."""
+        if masks is None:
+            masks = self.masks(pos, h.shape[0], cache)
+        windows = self.spec.sliding_windows
+        for i in range(start, end):
+            if i not in skip_attn:
+                h = h + self._attention(i, h, pos, cache, masks[windows[i]])
+            if i not in skip_mlp:
+                h = h + self._mlp(i, h)
+        return h
+
+    def logits(self, h: torch.Tensor, vocab: torch.Tensor | None = None, head: torch.Tensor | None = None) -> torch.Tensor:
+        """Final norm + LM head. h [T, H] -> [T, V] (fp32). `head` is a [H, N] slice of the
+        LM head for a restricted draft vocabulary (ids in `vocab`)."""
+        x = self._norm(h, self.final_norm)
+        out = _mm(x, self.head if head is None else head).float()
+        cap = self.spec.final_logit_softcap
+        if cap:
+            out = torch.tanh(out / cap) * cap
+        return out
+
+    def forward(self, ids: torch.Tensor, pos: int, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+        """Full model on ids [T] at positions pos..; returns fp32 logits [T or 1, V]."""
+        h = self.run_layers(self.embed(ids), 0, self.num_layers, pos, cache)
+        return self.logits(h[-1:] if last_only else h)
