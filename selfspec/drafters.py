@@ -95,7 +95,7 @@ class Drafter:
     def set_draft_vocab(self, vocab: torch.Tensor | None) -> None:
         """Restrict draft logits to `vocab` (ids); verification always uses the full head."""
         self._vocab = vocab
-        self._vocab_head = None if vocab is None else self.rt.head[:, vocab].contiguous()
+        self._vocab_head = None if vocab is None else self.rt.prepare_weight(self.rt.head_columns(vocab).contiguous())
 
     def _draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.rt.logits(h, head=self._vocab_head)[0]

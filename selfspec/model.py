@@ -60,7 +60,7 @@ def resolve_device(device) -> str:
 def fingerprint(spec: ModelSpec, runtime: Runtime) -> str:
     """A short id of the weights and shape, the same for float32 and bfloat16 loads."""
     h = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True, default=str).encode())
-    probes = [runtime.head[:, :64], runtime.layers[0]["wqkv"][:, :64], runtime.layers[-1]["w_down"][:, :64]]
+    probes = [runtime.head_columns(torch.arange(64, device=runtime.device)), runtime.layers[0]["wqkv"][:, :64], runtime.layers[-1]["w_down"][:, :64]]
     for t in probes:
         h.update(t.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
     return h.hexdigest()[:16]
@@ -155,7 +155,10 @@ class SelfSpecModel:
         if source not in self._draft_models:
             from selfspec.loading import load_source
 
+            from selfspec.loading import resolve_tokenizer
+
             sd, config, tok, _ = load_source(source)
+            tok = resolve_tokenizer(tok)
             spec = ModelSpec.from_hf_config(config)
             if tok is not None and self.tokenizer is not None and tok.get_vocab() != self.tokenizer.get_vocab():
                 raise SelfSpecError(f"the draft model {source} uses another tokenizer than the target model")
@@ -200,11 +203,11 @@ def load(
 ) -> SelfSpecModel:
     """Load from a built-in alias, a HF model directory, a .gguf file, or a transformers
     model object (its weights are read, never modified)."""
-    from selfspec.loading import load_source
+    from selfspec.loading import load_source, resolve_tokenizer
 
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     sd, config, tok, name = load_source(source, tokenizer)
     spec = ModelSpec.from_hf_config(config)
     runtime = Runtime.from_state_dict(spec, sd, config, torch_dtype, device)
-    return SelfSpecModel(runtime, tok, name)
+    return SelfSpecModel(runtime, resolve_tokenizer(tok), name)

@@ -1,0 +1,51 @@
+"""Shared bits for the benchmark scripts: prompts, the machine's copy bandwidth, and the
+transformers reference loaded from the same converted checkpoint as selfspec."""
+
+from __future__ import annotations
+
+import platform
+import time
+
+import torch
+
+PROMPTS = [
+    "def merge_sorted(a: list[int], b: list[int]) -> list[int]:\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n",
+    "The history of the printing press begins",
+    "Q: Why is the sky blue?\nA:",
+    "import os\nimport sys\n\n\ndef main(argv):\n",
+    "Once upon a time, in a small village by the sea,",
+]
+
+
+def copy_bandwidth_gbs(size_mb: int = 512, repeats: int = 5) -> float:
+    """Bytes copied per second (read + write counted once), best of a few runs."""
+    src = torch.empty(size_mb * 2**20, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return src.numel() / best / 1e9
+
+
+def machine() -> str:
+    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def hf_model(dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    from selfspec.loading import default_model_dir
+
+    return AutoModelForCausalLM.from_pretrained(str(default_model_dir()), dtype=dtype).eval()
+
+
+def hf_generate_tps(hf, ids: list[int], max_new_tokens: int, **kwargs) -> tuple[float, list[int]]:
+    x = torch.tensor([ids])
+    t = time.perf_counter()
+    with torch.inference_mode():
+        out = hf.generate(x, max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
+    dt = time.perf_counter() - t
+    new = out[0, len(ids):].tolist()
+    return len(new) / dt, new

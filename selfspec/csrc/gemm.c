@@ -1,0 +1,267 @@
+/* Row-invariant, thread-count-invariant small-M GEMM for CPU decode.
+ *
+ *   y[m, n] = sum_{k=0}^{K-1} x[m, k] * w[k, n]
+ *
+ * Summation order (fixed, documented, identical for every M and thread count):
+ *   acc = +0.0f; for k = 0, 1, ..., K-1: acc = fmaf(xf[m,k], wf[k,n], acc)
+ * where xf / wf are the fp32 values of x / w (bf16 -> fp32 is exact). Each output
+ * element is one independent fp32 FMA chain in increasing k; the vector code only
+ * evaluates 16 such chains side by side (one per lane), so the tile width, the
+ * number of rows M, the row chunking and the thread split (over N only, never K)
+ * cannot change any bit. The scalar fmaf tail computes the very same chain.
+ * Output: fp32, or bf16 rounded to nearest even from the fp32 accumulator (NaN -> 0x7FC0),
+ * exactly like c10::BFloat16(float).
+ *
+ * Weight layouts (the kernel only needs a base pointer and a row stride):
+ *   plain  : w[K, N] row-major (ldw = N); tile t starts at w + 64 t
+ *   packed : wp[NB][K][64] with NB = ceil(N / 64), zero padded; tile t starts at
+ *            wp + t*K*64 with row stride 64, so each tile is one contiguous stream.
+ *
+ * Paths: M <= MR (6): rows kept in registers, weights widened on the fly (direct);
+ * M > MR with bf16 weights: K chunks widened once into an L1 fp32 scratch and shared by
+ * all row blocks (tile_bf16_many). Both give the same bits (tested); threads split tiles.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <stdlib.h>
+#include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define NT 64  /* columns per tile: 4 zmm of 16 fp32 */
+#ifndef PF
+#define PF 16  /* prefetch distance in k rows */
+#endif
+#ifndef DIRECT_ONLY
+#define DIRECT_ONLY 0  /* 1: never use the many-row path (same bits, for testing/benchmarks) */
+#endif
+#ifndef MR
+#define MR 6   /* rows per register block (6 x 4 accumulators + 4 weights <= 32 zmm) */
+#endif
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16; float f; memcpy(&f, &u, 4); return f;
+}
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if (isnan(f)) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline __m512 load_w_bf16(const uint16_t *p, __mmask16 mk) {
+    __m256i h = _mm256_maskz_loadu_epi16(mk, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline void store_out(void *y, int y_bf16, long off, __m512 v, __mmask16 mk) {
+    if (!y_bf16) { _mm512_mask_storeu_ps((float *)y + off, mk, v); return; }
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
+    r = _mm512_srli_epi32(r, 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
+    _mm256_mask_storeu_epi16((uint16_t *)y + off, mk, _mm512_cvtepi32_epi16(r));
+}
+
+/* bf16 weights: 64 columns per k as four 256-bit loads of 16 bf16, widened to fp32
+ * exactly (zero-extend to 32 bits, shift left 16). Accumulators acc[r][j] hold columns
+ * n0+16j .. n0+16j+15 of row m0+r. (An even/odd-lane trick that skips the widening was
+ * measured slower here for M >= 4.) */
+static inline __attribute__((always_inline)) void tile_bf16(
+    const int R, long K, const float *xr, const uint16_t *wt, long ldw,
+    void *y, int y_bf16, long ldy, long m0, long n0, const __mmask16 mk[4]) {
+    __m512 acc[MR][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
+    for (long k = 0; k < K; k++) {
+        const uint16_t *wk = wt + k * ldw;
+        /* software prefetch PF rows ahead (a hint only: never faults, no effect on results) */
+        _mm_prefetch((const char *)(wk + PF * ldw), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wk + PF * ldw) + 64, _MM_HINT_T0);
+        __m512 w0 = load_w_bf16(wk, mk[0]), w1 = load_w_bf16(wk + 16, mk[1]);
+        __m512 w2 = load_w_bf16(wk + 32, mk[2]), w3 = load_w_bf16(wk + 48, mk[3]);
+        for (int r = 0; r < R; r++) {
+            __m512 xb = _mm512_set1_ps(xr[r * K + k]);
+            acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
+            acc[r][2] = _mm512_fmadd_ps(xb, w2, acc[r][2]);
+            acc[r][3] = _mm512_fmadd_ps(xb, w3, acc[r][3]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        long off = (m0 + r) * ldy + n0;
+        for (int j = 0; j < 4; j++) store_out(y, y_bf16, off + 16 * j, acc[r][j], mk[j]);
+    }
+}
+
+/* fp32 weights: 64 columns as four masked 512-bit loads, no conversion. */
+static inline __attribute__((always_inline)) void tile_f32(
+    const int R, long K, const float *xr, const float *wt, long ldw,
+    void *y, int y_bf16, long ldy, long m0, long n0, const __mmask16 mk[4]) {
+    __m512 acc[MR][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
+    for (long k = 0; k < K; k++) {
+        const float *wk = wt + k * ldw;
+        for (int c = 0; c < 4; c++) _mm_prefetch((const char *)(wk + PF * ldw) + 64 * c, _MM_HINT_T0);
+        __m512 w0 = _mm512_maskz_loadu_ps(mk[0], wk), w1 = _mm512_maskz_loadu_ps(mk[1], wk + 16);
+        __m512 w2 = _mm512_maskz_loadu_ps(mk[2], wk + 32), w3 = _mm512_maskz_loadu_ps(mk[3], wk + 48);
+        for (int r = 0; r < R; r++) {
+            __m512 xb = _mm512_set1_ps(xr[r * K + k]);
+            acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
+            acc[r][2] = _mm512_fmadd_ps(xb, w2, acc[r][2]);
+            acc[r][3] = _mm512_fmadd_ps(xb, w3, acc[r][3]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) store_out(y, y_bf16, (m0 + r) * ldy + n0 + 16 * j, acc[r][j], mk[j]);
+}
+
+/* Many-row path (M > MR, bf16 weights): per tile, K is walked in chunks of KC rows; each
+ * chunk of the bf16 tile is widened once into an fp32 scratch (KC x 64, L1 resident) and
+ * then every row block runs its FMAs from that scratch. Accumulators are parked in memory
+ * (exact fp32 stores/loads) between chunks, so each element is still the single chain
+ * acc = fma(x[k], w[k], acc) for k = 0..K-1 in order: identical bits to the direct path. */
+#define KC 128
+static inline __attribute__((always_inline)) void chunk_rows(
+    const int R, long K, long k0, long kn, const float *xr, const float *ws, float *accbuf, int first) {
+    __m512 acc[MR][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++)
+            acc[r][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(accbuf + r * NT + 16 * j);
+    for (long k = 0; k < kn; k++) {
+        const float *wk = ws + k * NT;
+        __m512 w0 = _mm512_load_ps(wk), w1 = _mm512_load_ps(wk + 16);
+        __m512 w2 = _mm512_load_ps(wk + 32), w3 = _mm512_load_ps(wk + 48);
+        for (int r = 0; r < R; r++) {
+            __m512 xb = _mm512_set1_ps(xr[r * K + k0 + k]);
+            acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
+            acc[r][2] = _mm512_fmadd_ps(xb, w2, acc[r][2]);
+            acc[r][3] = _mm512_fmadd_ps(xb, w3, acc[r][3]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) _mm512_storeu_ps(accbuf + r * NT + 16 * j, acc[r][j]);
+}
+
+static void tile_bf16_many(long M, long K, const float *xf, const uint16_t *wt, long ldw,
+                           void *y, int y_bf16, long ldy, long n0, const __mmask16 mk[4], float *accbuf) {
+    float ws[KC * NT] __attribute__((aligned(64)));
+    for (long k0 = 0; k0 < K; k0 += KC) {
+        long kn = K - k0 < KC ? K - k0 : KC;
+        for (long k = 0; k < kn; k++) {
+            const uint16_t *wk = wt + (k0 + k) * ldw;
+            _mm_prefetch((const char *)(wk + PF * ldw), _MM_HINT_T0);
+            _mm_prefetch((const char *)(wk + PF * ldw) + 64, _MM_HINT_T0);
+            for (int j = 0; j < 4; j++) _mm512_store_ps(ws + k * NT + 16 * j, load_w_bf16(wk + 16 * j, mk[j]));
+        }
+        for (long m0 = 0; m0 < M; m0 += MR) {
+            const float *xr = xf + m0 * K;
+            float *ab = accbuf + m0 * NT;
+            switch (M - m0 < MR ? M - m0 : MR) {
+            case 6: chunk_rows(6, K, k0, kn, xr, ws, ab, k0 == 0); break;
+            case 5: chunk_rows(5, K, k0, kn, xr, ws, ab, k0 == 0); break;
+            case 4: chunk_rows(4, K, k0, kn, xr, ws, ab, k0 == 0); break;
+            case 3: chunk_rows(3, K, k0, kn, xr, ws, ab, k0 == 0); break;
+            case 2: chunk_rows(2, K, k0, kn, xr, ws, ab, k0 == 0); break;
+            default: chunk_rows(1, K, k0, kn, xr, ws, ab, k0 == 0); break;
+            }
+        }
+    }
+    for (long m = 0; m < M; m++)
+        for (int j = 0; j < 4; j++)
+            store_out(y, y_bf16, m * ldy + n0 + 16 * j, _mm512_loadu_ps(accbuf + m * NT + 16 * j), mk[j]);
+}
+
+static void tile_masks(long n0, long N, __mmask16 mk[4]) {
+    for (int j = 0; j < 4; j++) {
+        long left = N - (n0 + 16 * j);
+        mk[j] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+    }
+}
+
+/* x: [M, K] (x_bf16 ? bf16 : fp32), contiguous.  y: [M, N] (y_bf16 ? bf16 : fp32).
+ * w: plain (packed=0): [K, N] contiguous; packed (packed=1): [ceil(N/64), K, 64].
+ * w_bf16: weight dtype. nthreads <= 0: OpenMP default. Returns 0 on success. */
+int selfspec_gemm(long M, long K, long N, const void *x, int x_bf16, const void *w, int w_bf16,
+                  int packed, void *y, int y_bf16, int nthreads) {
+    if (M <= 0 || N <= 0) return 0;
+    if (K <= 0) return 2; /* caller handles K == 0 (all-zero output) */
+    float stackbuf[16384];
+    float *xf = (M * K <= (long)(sizeof(stackbuf) / 4)) ? stackbuf : (float *)malloc(sizeof(float) * M * K);
+    if (!xf) return 1;
+    for (long i = 0; i < M * K; i++)
+        xf[i] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+    long ntiles = (N + NT - 1) / NT;
+    int nt = nthreads;
+#ifdef _OPENMP
+    if (nt <= 0) nt = omp_get_max_threads();
+    if (ntiles < nt) nt = (int)ntiles;
+    if (nt < 1) nt = 1;
+#endif
+    int direct_only = DIRECT_ONLY;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt)
+#endif
+    {
+    float *accbuf = NULL;
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+    for (long t = 0; t < ntiles; t++) {
+        long n0 = t * NT;
+        __mmask16 mk[4];
+        tile_masks(n0, N, mk);
+        long ldw = packed ? NT : N;
+        long woff = packed ? t * K * NT : n0;
+        if (w_bf16 && M > MR && !direct_only) {
+            if (!accbuf) accbuf = (float *)aligned_alloc(64, sizeof(float) * NT * ((M + 15) / 16 * 16));
+            if (accbuf) { tile_bf16_many(M, K, xf, (const uint16_t *)w + woff, ldw, y, y_bf16, N, n0, mk, accbuf); continue; }
+        }
+        for (long m0 = 0; m0 < M; m0 += MR) {
+            const float *xr = xf + m0 * K;
+            if (w_bf16) {
+                const uint16_t *wt = (const uint16_t *)w + woff;
+                switch (M - m0 < MR ? M - m0 : MR) {
+                case 6: tile_bf16(6, K, xr, wt, ldw, y, y_bf16, N, m0, n0, mk); break;
+                case 5: tile_bf16(5, K, xr, wt, ldw, y, y_bf16, N, m0, n0, mk); break;
+                case 4: tile_bf16(4, K, xr, wt, ldw, y, y_bf16, N, m0, n0, mk); break;
+                case 3: tile_bf16(3, K, xr, wt, ldw, y, y_bf16, N, m0, n0, mk); break;
+                case 2: tile_bf16(2, K, xr, wt, ldw, y, y_bf16, N, m0, n0, mk); break;
+                default: tile_bf16(1, K, xr, wt, ldw, y, y_bf16, N, m0, n0, mk); break;
+                }
+            } else {
+                const float *wt = (const float *)w + woff;
+                switch (M - m0 < MR ? M - m0 : MR) {
+                case 6: tile_f32(6, K, xr, wt, ldw, y, y_bf16, N, m0, n0, mk); break;
+                case 5: tile_f32(5, K, xr, wt, ldw, y, y_bf16, N, m0, n0, mk); break;
+                case 4: tile_f32(4, K, xr, wt, ldw, y, y_bf16, N, m0, n0, mk); break;
+                case 3: tile_f32(3, K, xr, wt, ldw, y, y_bf16, N, m0, n0, mk); break;
+                case 2: tile_f32(2, K, xr, wt, ldw, y, y_bf16, N, m0, n0, mk); break;
+                default: tile_f32(1, K, xr, wt, ldw, y, y_bf16, N, m0, n0, mk); break;
+                }
+            }
+        }
+    }
+    free(accbuf);
+    }
+    if (xf != stackbuf) free(xf);
+    return 0;
+}
+
+/* Scalar reference of the same chain (fmaf, fp32 x, bf16 plain w, fp32 y): the vector
+ * kernel must match it bit for bit. Used by the tests only. */
+int selfspec_gemm_ref(long M, long K, long N, const float *xf, const uint16_t *w, float *y) {
+    for (long m = 0; m < M; m++)
+        for (long n = 0; n < N; n++) {
+            float acc = 0.0f;
+            for (long k = 0; k < K; k++) acc = fmaf(xf[m * K + k], bf16_to_f32(w[k * N + n]), acc);
+            y[m * N + n] = acc;
+        }
+    return 0;
+}

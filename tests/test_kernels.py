@@ -1,0 +1,101 @@
+import pytest
+import torch
+
+from selfspec import kernels
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"kernels unavailable: {kernels.load_error()}")
+
+SHAPES = [(640, 1536), (1024, 640), (64, 200), (37, 1), (130, 67)]  # incl. N % 64 != 0 tails
+
+
+def _operands(k, n, xdt, wdt, m=17, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(xdt)
+    w = (torch.randn(k, n, generator=g) / k**0.5).to(wdt)
+    return x, w
+
+
+@needs_kernels
+@pytest.mark.parametrize("k,n", SHAPES)
+@pytest.mark.parametrize("xdt", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("wdt", [torch.bfloat16, torch.float32])
+def test_row_invariance_bitwise(k, n, xdt, wdt):
+    x, w = _operands(k, n, xdt, wdt)
+    full = kernels.matmul(x, w)
+    assert full.dtype == xdt and full.shape == (17, n)
+    packed = kernels.pack(w)
+    assert torch.equal(kernels.matmul(x, packed), full)
+    for m in range(1, 18):
+        assert torch.equal(kernels.matmul(x[:m], w), full[:m]), m
+        assert torch.equal(kernels.matmul(x[:m], packed), full[:m]), m
+        # a single row, alone and on one thread, equals that row of the 17-row pass
+        assert torch.equal(kernels.matmul(x[m - 1 : m], w, num_threads=1), full[m - 1 : m]), m
+
+
+@needs_kernels
+def test_matches_scalar_fma_chain_bitwise():
+    x, w = _operands(640, 300, torch.float32, torch.bfloat16, m=5)
+    assert torch.equal(kernels.matmul(x, w), kernels._reference_fp32(x, w))
+    # bf16 output is the RNE rounding of that same fp32 accumulator
+    xb = x.bfloat16()
+    assert torch.equal(kernels.matmul(xb, w), kernels._reference_fp32(xb, w).bfloat16())
+
+
+@needs_kernels
+@pytest.mark.parametrize("k,n", SHAPES)
+@pytest.mark.parametrize("xdt", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("wdt", [torch.bfloat16, torch.float32])
+def test_close_to_float64(k, n, xdt, wdt):
+    x, w = _operands(k, n, xdt, wdt)
+    ref = x.double() @ w.double()
+    y = kernels.matmul(x, w).double()
+    scale = (x.double().abs() @ w.double().abs()).clamp_min(1e-30)  # sum |x||w|: the error scale
+    rel = ((y - ref).abs() / scale).max().item()
+    # fp32 accumulation error ~ K * 2^-24 in the worst case; bf16 output adds a 2^-9 rounding
+    tol = (2**-8 if xdt == torch.bfloat16 else 0.0) + k * 2**-24
+    assert rel <= tol, rel
+    torch_ref = (x.float() @ w.float()).to(xdt).double()
+    assert ((y - torch_ref).abs() / scale).max().item() <= 2 * tol
+
+
+@needs_kernels
+def test_errors():
+    x, w = _operands(64, 32, torch.float32, torch.bfloat16, m=2)
+    with pytest.raises(ValueError):
+        kernels.matmul(x, w[:32])  # K mismatch
+    with pytest.raises(ValueError):
+        kernels.matmul(x[0], w)  # 1-D x
+    with pytest.raises(ValueError):
+        kernels.matmul(x, w.t().contiguous().t())  # non-contiguous w
+    with pytest.raises(ValueError):
+        kernels.matmul(x.double(), w)
+    with pytest.raises(ValueError):
+        kernels.matmul(x, w.half())
+    assert not kernels.supports(x, w.t().contiguous().t())
+    assert kernels.supports(x, w)
+    # non-contiguous x is accepted (copied)
+    xt = torch.randn(64, 2).t()
+    assert torch.equal(kernels.matmul(xt, w), kernels.matmul(xt.contiguous(), w))
+    assert kernels.matmul(x[:0], w).shape == (0, 32)
+
+
+def test_disabled_by_env(monkeypatch):
+    monkeypatch.setenv("SELFSPEC_NO_KERNELS", "1")
+    assert kernels.available() is False
+    x, w = _operands(64, 32, torch.float32, torch.bfloat16, m=2)
+    assert kernels.supports(x, w) is False
+    with pytest.raises(RuntimeError):
+        kernels.matmul(x, w)
+    # pack/unpack need no compiled code, so a torch fallback can always use the packed form
+    assert torch.equal(kernels.pack(w).unpack(), w)
+
+
+def test_unavailable_without_compiler(monkeypatch, tmp_path):
+    """A failed build (here: no compiler, empty cache) degrades to available() == False."""
+    monkeypatch.setattr(kernels, "_lib", None)
+    monkeypatch.setattr(kernels, "_load_error", None)
+    monkeypatch.setenv("CC", "selfspec-no-such-compiler")
+    monkeypatch.setenv("SELFSPEC_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.delenv("SELFSPEC_NO_KERNELS", raising=False)
+    assert kernels.available() is False
+    assert "not found" in kernels.load_error()
