@@ -171,8 +171,9 @@ def weights_from_state_dict(spec: ModelSpec, sd: dict[str, torch.Tensor], dtype:
             raise SelfSpecError(f"checkpoint is missing tensor {name!r}")
         return sd[name]
 
-    def t(w: torch.Tensor) -> torch.Tensor:  # [out, in] -> [in, out] contiguous
-        return w.to(device=device, dtype=dtype).t().contiguous()
+    def t(*ws: torch.Tensor) -> torch.Tensor:
+        """[out_i, in] each -> one [in, sum(out_i)] matrix, converted and transposed in one pass."""
+        return torch.cat([w.to(device=device, dtype=dtype).t() for w in ws], dim=1).contiguous()
 
     def vec(w: torch.Tensor, norm: bool = False) -> torch.Tensor:
         # Norm weights stay fp32 (both families normalise in fp32); Gemma's (1 + w) is folded in.
@@ -186,9 +187,9 @@ def weights_from_state_dict(spec: ModelSpec, sd: dict[str, torch.Tensor], dtype:
         p = f"model.layers.{i}."
         a = p + "self_attn."
         layer = {
-            "wqkv": t(torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")], 0)),
+            "wqkv": t(get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")),
             "wo": t(get(a + "o_proj.weight")),
-            "w_gate_up": t(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], 0)),
+            "w_gate_up": t(get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")),
             "w_down": t(get(p + "mlp.down_proj.weight")),
             "attn_norm": vec(get(p + "input_layernorm.weight"), norm=True),
         }
@@ -214,7 +215,7 @@ def weights_from_state_dict(spec: ModelSpec, sd: dict[str, torch.Tensor], dtype:
     out = {
         "layers": layers,
         "final_norm": vec(get("model.norm.weight"), norm=True),
-        "head": t(head),  # [H, V]
+        "head": head.to(device=device, dtype=dtype).contiguous(),  # [V, H]: the runtime lays it out
     }
     # Tied models embed by gathering columns of the head: no second copy of the largest matrix.
     out["embed"] = None if head is embed else embed.to(device=device, dtype=dtype).contiguous()

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "supports", "matmul", "pack", "PackedWeight"]
+__all__ = ["available", "supports", "matmul", "pack", "pack_rows", "PackedWeight"]
 
 _SRC = Path(__file__).with_name("csrc") / "gemm.c"
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
@@ -196,6 +196,17 @@ def pack(w: torch.Tensor) -> PackedWeight:
         padded = torch.zeros(k, nb * _TILE, dtype=w.dtype)
         padded[:, :n] = w
         data = padded.view(k, nb, _TILE).permute(1, 0, 2).contiguous()
+    return PackedWeight(data, k, n)
+
+
+def pack_rows(w_t: torch.Tensor) -> PackedWeight:
+    """pack(w_t.t()) without materialising the transpose: w_t is [N, K] (e.g. an LM head
+    stored one row per token). One pass over memory instead of two strided ones."""
+    n, k = w_t.shape
+    if n % _TILE:
+        return pack(w_t.t())
+    with torch.no_grad():
+        data = w_t.reshape(n // _TILE, _TILE, k).permute(0, 2, 1).contiguous()
     return PackedWeight(data, k, n)
 
 

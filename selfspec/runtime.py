@@ -51,7 +51,8 @@ class Runtime:
         # (fp32, CUDA) through torch. One choice per runtime: decode and verify must share it.
         self.uses_kernels = self.device.type == "cpu" and dtype == torch.bfloat16 and kernels.available()
         self._mm = _kernel_mm if self.uses_kernels else _torch_mm
-        self.head = self.prepare_weight(weights["head"])  # [H, V], possibly packed
+        rows = weights["head"]  # [V, H]
+        self.head = kernels.pack_rows(rows) if self.uses_kernels else rows.t().contiguous()  # [H, V]
         self._rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._rope_len = 0
         s = spec
