@@ -186,6 +186,8 @@ class SelfSpecModel:
     ) -> GenerationResult:
         gen = GenerationConfig(max_new_tokens=max_new_tokens, stop=tuple(stop) if isinstance(stop, (list, tuple)) else (stop or ()), chat=chat)
         sampling = SamplingConfig(temperature=float(temperature), top_k=top_k, top_p=top_p, seed=seed)
+        if draft is not None and (strategy is not None or profile is not None or draft_options):
+            raise SelfSpecError("pass either draft=DraftConfig(...) or strategy/profile/draft options, not both")
         cfg = draft if draft is not None else self.draft_config(strategy, profile, **draft_options)
         ids = self.encode(prompt, chat)
         budget = min(gen.max_new_tokens, self.context_length - len(ids))

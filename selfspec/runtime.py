@@ -80,6 +80,7 @@ class Runtime:
     def _ensure_rope(self, length: int) -> None:
         if length <= self._rope_len:
             return
+        length = max(length, 2 * self._rope_len, 4096)  # grow geometrically: rarely recompute
         tables = rotary_tables(self.hf_config, self.spec, length)
         # HF casts cos/sin to the activation dtype before use; we do the same once here.
         self._rope = {k: (c.to(self.device, self.dtype), s.to(self.device, self.dtype)) for k, (c, s) in tables.items()}

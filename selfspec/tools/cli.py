@@ -1,0 +1,226 @@
+"""The measurement commands: bench, sweep, correctness, report (picked up by selfspec.cli).
+
+    selfspec bench --strategy early-exit --exit-layer 12 --dataset code --num-samples 20 --out bench.json
+    selfspec sweep --exit-layers 4:16:2 --num-speculations 1:8 --dataset text --out-dir sweep/
+    selfspec sweep --strategy layer-skip --skip-ratios 0.1:0.5:0.1 --num-speculations 2:6:2
+    selfspec correctness --strategy prompt-lookup --dataset code --num-samples 50
+    selfspec report bench.json other-machine.json sweep/sweep.json --out-dir report/
+
+Results are written atomically after every prompt; Ctrl-C stops, writes what finished and
+exits with status 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from selfspec.cli import add_config_args, add_draft_args, add_model_args, config_kwargs, draft_config_from_args, load_model
+from selfspec.config import SamplingConfig
+from selfspec.errors import SelfSpecError
+
+INTERRUPTED = 130
+
+
+def _add_dataset_args(p: argparse.ArgumentParser, default_samples: int) -> None:
+    g = p.add_argument_group("prompts")
+    g.add_argument("--dataset", default="code",
+                   help="code | text | summarize (built in, offline), a .jsonl file with 'prompt' and optional 'reference', "
+                        "or hf:NAME[:config]:split via the datasets library (default: code)")
+    g.add_argument("--num-samples", type=int, default=default_samples, help=f"prompts to use (default: {default_samples})")
+    g.add_argument("--n-shot", type=int, default=0, help="prepend N examples with their references (LayerSkip's n-shot)")
+    g.add_argument("--template", default=None, help="wrap each prompt: a string containing {message}, e.g. '[INST] {message} [/INST]'")
+    g.add_argument("--prompt-field", default="prompt", help="jsonl / hf: the prompt field (default: prompt)")
+    g.add_argument("--reference-field", default=None, help="jsonl / hf: the reference field (default: reference)")
+
+
+def _add_run_args(p: argparse.ArgumentParser, max_new_tokens: int, warmup: bool = True) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help=f"tokens per prompt (default: {max_new_tokens})")
+    if warmup:
+        p.add_argument("--warmup", type=int, default=1, help="untimed generations of each configuration first (default: 1)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _dataset(args):
+    from selfspec.tools.datasets import load_dataset
+
+    return load_dataset(args.dataset, args.num_samples, args.seed if args.seed is not None else 0, n_shot=args.n_shot,
+                        template=args.template, prompt_field=args.prompt_field, reference_field=args.reference_field)
+
+
+def _check_common(args) -> None:
+    if args.max_new_tokens < 1:
+        raise SelfSpecError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
+    if getattr(args, "warmup", 0) < 0:
+        raise SelfSpecError(f"--warmup must be >= 0, got {args.warmup}")
+
+
+def _settings(args):
+    from selfspec.tools.bench import Settings
+
+    sampling = SamplingConfig(**config_kwargs(args, SamplingConfig))  # validates
+    return Settings(args.max_new_tokens, sampling.temperature, sampling.top_k, sampling.top_p,
+                    sampling.seed if sampling.seed is not None else 0)
+
+
+def _console():
+    from rich.console import Console
+
+    c = Console()
+    return c if c.is_terminal else Console(width=160)  # piped to a file: room for the wide tables
+
+
+def _err(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
+# ---- bench ---------------------------------------------------------------------------------------
+
+
+def cmd_bench(args) -> int:
+    from selfspec.tools.bench import bench_table, run_bench
+
+    _check_common(args)
+    settings = _settings(args)
+    dataset = _dataset(args)
+    model = load_model(args)
+    draft = draft_config_from_args(model, args)
+    results = run_bench(model, draft, dataset, settings, warmup=args.warmup, out=args.out, progress=not args.no_progress,
+                        command=sys.argv[1:], log=_err)
+    _console().print(bench_table(results))
+    if results["interrupted"]:
+        _err(f"selfspec: interrupted; {results['completed']} of {results['requested']} prompts written to {args.out}")
+        return INTERRUPTED
+    _err(f"wrote {args.out}")
+    return 0
+
+
+# ---- sweep ---------------------------------------------------------------------------------------
+
+
+def cmd_sweep(args) -> int:
+    from selfspec.tools.bench import strategy_label
+    from selfspec.tools.sweep import parse_float_range, parse_int_range, run_sweep, sweep_table
+
+    _check_common(args)
+    ks = parse_int_range(args.num_speculations, "--num-speculations")
+    if args.strategy == "early-exit":
+        if args.skip_ratios is not None:
+            raise SelfSpecError("--skip-ratios is for --strategy layer-skip")
+        rows_text = args.exit_layers
+    else:
+        if args.exit_layers is not None:
+            raise SelfSpecError("--exit-layers is for --strategy early-exit")
+        rows = parse_float_range(args.skip_ratios or "0.1:0.5:0.1", "--skip-ratios")
+    settings = _settings(args)
+    dataset = _dataset(args)
+    model = load_model(args)
+    if args.strategy == "early-exit":
+        L = model.spec.num_layers
+        if rows_text is None:  # about six exit layers across the depth
+            step = max(1, (L - 2) // 6)
+            rows = list(range(max(1, step), L, step))[:8]
+        else:
+            rows = parse_int_range(rows_text, "--exit-layers")
+        bad = [e for e in rows if not 1 <= e <= L - 1]
+        if bad:
+            raise SelfSpecError(f"--exit-layers: {bad} outside 1..{L - 1} for this {L}-layer model")
+    extra = {"draft_threshold": args.draft_threshold, "adaptive": args.adaptive or None, "draft_vocab": args.draft_vocab}
+    results = run_sweep(model, args.strategy, rows, ks, dataset, settings, skip_kind=args.skip_kind, extra=extra,
+                        warmup=args.warmup, out_dir=args.out_dir, profile_out=args.profile_out,
+                        progress=not args.no_progress, command=sys.argv[1:], log=_err)
+    _console().print(sweep_table(results))
+    best = results.get("best")
+    if best:
+        _err(f"best: {strategy_label(best['draft'])}, speedup x{best['speedup']:.2f}, acceptance {best['acceptance_rate']:.0%}; "
+             f"profile {results.get('profile')}")
+    _err(f"wrote {args.out_dir}/sweep.json, sweep.csv, " + ", ".join(p.rsplit('/', 1)[-1] for p in results.get("plots", [])))
+    if results["interrupted"]:
+        _err("selfspec: interrupted; the finished measurements were written")
+        return INTERRUPTED
+    return 0
+
+
+# ---- correctness ---------------------------------------------------------------------------------
+
+
+def cmd_correctness(args) -> int:
+    from selfspec.tools.correctness import correctness_table, run_correctness
+
+    _check_common(args)
+    dataset = _dataset(args)
+    model = load_model(args)
+    draft = draft_config_from_args(model, args)
+    if not draft.speculative:
+        raise SelfSpecError("correctness compares a drafting strategy with autoregressive: pass --strategy or --profile")
+    results = run_correctness(model, draft, dataset, args.max_new_tokens, out=args.out, progress=not args.no_progress,
+                              command=sys.argv[1:])
+    _console().print(correctness_table(results))
+    n = results["mismatches"]
+    line = f"{n} of {results['completed']} prompts differ"
+    if n:
+        line += f"; first differing position {results['first_difference']}; ids: {', '.join(results['mismatch_ids'])}"
+    print(line)
+    _err(f"wrote {args.out}")
+    if results["interrupted"]:
+        _err("selfspec: interrupted; the finished prompts were written")
+        return INTERRUPTED
+    return 1 if n else 0
+
+
+# ---- report --------------------------------------------------------------------------------------
+
+
+def cmd_report(args) -> int:
+    from selfspec.tools.report import report
+
+    labels = [s for s in args.labels.split(",")] if args.labels else None
+    report(args.results, args.out_dir, labels, html_page=not args.no_html, console=_console())
+    return 0
+
+
+def register(sub) -> None:
+    b = sub.add_parser("bench", help="a strategy vs autoregressive on a prompt set: speed, acceptance, quality",
+                       description="Runs the strategy and the autoregressive baseline on the same prompts, interleaved, "
+                                   "and writes per-prompt and aggregate numbers as JSON.")
+    add_model_args(b)
+    add_draft_args(b)
+    _add_dataset_args(b, 10)
+    _add_run_args(b, 128)
+    add_config_args(b, SamplingConfig)
+    b.add_argument("--out", default="bench-results.json", help="results JSON (default: bench-results.json)")
+    b.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("sweep", help="grid of exit layers (or skip ratios) x K: CSV, JSON, heatmap, best profile",
+                       description="Measures every (exit layer, K) or (skip ratio, K) cell against autoregressive.")
+    add_model_args(s)
+    s.add_argument("--strategy", choices=["early-exit", "layer-skip"], default="early-exit")
+    s.add_argument("--exit-layers", default=None, help="early-exit rows: start:stop[:step] (inclusive) or a list (default: ~6 across the depth)")
+    s.add_argument("--skip-ratios", default=None, help="layer-skip rows: start:stop[:step] or a list of ratios in (0,1) (default: 0.1:0.5:0.1)")
+    s.add_argument("--skip-kind", choices=["attn", "mlp", "both"], default="both", help="layer-skip: which sub-layers of a skipped layer to skip (default: both)")
+    s.add_argument("--num-speculations", default="1:8", help="K values: start:stop[:step] (inclusive) or a list (default: 1:8)")
+    s.add_argument("--draft-threshold", type=float, default=None, help="fixed for every cell: stop drafting below this top-1 probability")
+    s.add_argument("--adaptive", action="store_true", help="fixed for every cell: adaptive draft threshold")
+    s.add_argument("--draft-vocab", type=int, default=None, help="fixed for every cell: restricted draft vocabulary size")
+    _add_dataset_args(s, 5)
+    _add_run_args(s, 64)
+    add_config_args(s, SamplingConfig)
+    s.add_argument("--out-dir", default="sweep-results", help="where sweep.json/.csv and the plots go (default: sweep-results)")
+    s.add_argument("--profile-out", default=None, help="the best cell's draft profile (default: OUT_DIR/best_profile.json)")
+    s.set_defaults(func=cmd_sweep)
+
+    c = sub.add_parser("correctness", help="greedy outputs of a strategy vs autoregressive, token for token (exit 1 on any difference)")
+    add_model_args(c)
+    add_draft_args(c)
+    _add_dataset_args(c, 10)
+    _add_run_args(c, 64, warmup=False)
+    c.add_argument("--seed", type=int, default=None, help="prompt selection seed (default: 0)")
+    c.add_argument("--out", default="correctness-results.json", help="results JSON (default: correctness-results.json)")
+    c.set_defaults(func=cmd_correctness)
+
+    r = sub.add_parser("report", help="tables, PNG plots and an HTML page from saved results files")
+    r.add_argument("results", nargs="+", help="bench / sweep / correctness / compare_all JSON files")
+    r.add_argument("--out-dir", default="report", help="where the plots and index.html go (default: report)")
+    r.add_argument("--labels", default=None, help="comma-separated names for the files, in order")
+    r.add_argument("--no-html", action="store_true", help="plots only, no index.html")
+    r.set_defaults(func=cmd_report)

@@ -1,0 +1,334 @@
+"""`selfspec sweep`: a grid of draft configurations, each measured against autoregressive.
+
+    early-exit:  rows = exit layers      (--exit-layers 4:16:2), columns = K (--num-speculations 1:8)
+    layer-skip:  rows = skip ratios      (--skip-ratios 0.1:0.5:0.1), columns = K
+
+Ranges are `start:stop[:step]` with both ends included, or comma lists ("2,4,8").
+
+A skip ratio r drafts with round(r * L) of the L layers skipped, spread evenly over the
+interior layers 1..L-2 (the first and last layers always run); --skip-kind chooses whether
+a skipped layer loses its attention, its MLP, or both sub-layers. It is a simple,
+reproducible family of skip sets, not a search.
+
+Measurement order: for each row, for each prompt, the baseline runs once and then every K
+of that row (K order rotating from prompt to prompt); a cell's speedup is against the
+baseline runs of its own row and prompts, so drift over a long sweep hits both sides.
+
+Writes to --out-dir: sweep.json (everything, per-prompt numbers included), sweep.csv (one
+line per cell), sweep_heatmap.png (speedup over row x K, best cell marked),
+sweep_acceptance.png (acceptance rate by row, one line per K), and the best cell as a
+draft profile (best_profile.json, or --profile-out) for `--profile`.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+from pathlib import Path
+
+from selfspec.config import MAX_SPECULATIONS, DraftConfig
+from selfspec.errors import SelfSpecError
+from selfspec.profiles import Profile, atomic_write_text, save_profile
+from selfspec.tools.bench import (
+    FORMAT,
+    MemoryMonitor,
+    ProgressBar,
+    Settings,
+    _median,
+    aggregate_runs,
+    environment,
+    measured_generate,
+    model_info,
+    now,
+    process_peak_rss_mb,
+    run_record,
+    warm_up,
+    write_json,
+)
+from selfspec.tools.datasets import Dataset
+
+CSV_FIELDS = [
+    "strategy", "row", "exit_layer", "skip_ratio", "skip_attn", "skip_mlp", "num_speculations", "samples", "complete",
+    "tokens_per_second", "baseline_tokens_per_second", "speedup", "speedup_median", "acceptance_rate",
+    "mean_accepted_length", "drafted", "accepted", "verify_steps", "time_s", "baseline_time_s", "identical_outputs",
+]
+
+
+def parse_int_range(text: str, what: str) -> list[int]:
+    try:
+        if ":" in text:
+            parts = [int(p) for p in text.split(":")]
+            if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] <= 0):
+                raise ValueError
+            start, stop, step = parts[0], parts[1], parts[2] if len(parts) == 3 else 1
+            vals = list(range(start, stop + 1, step))
+        else:
+            vals = sorted({int(p) for p in text.split(",") if p.strip()})
+    except ValueError as e:
+        raise SelfSpecError(f"{what}: expected start:stop[:step] or a comma list of integers, got {text!r}") from e
+    if not vals:
+        raise SelfSpecError(f"{what}: the range {text!r} is empty")
+    return vals
+
+
+def parse_float_range(text: str, what: str) -> list[float]:
+    try:
+        if ":" in text:
+            parts = [float(p) for p in text.split(":")]
+            if len(parts) not in (2, 3):
+                raise ValueError
+            start, stop = parts[0], parts[1]
+            step = parts[2] if len(parts) == 3 else 0.1
+            if step <= 0:
+                raise ValueError
+            vals, i = [], 0
+            while start + i * step <= stop + 1e-9:
+                vals.append(round(start + i * step, 6))
+                i += 1
+        else:
+            vals = sorted({float(p) for p in text.split(",") if p.strip()})
+    except ValueError as e:
+        raise SelfSpecError(f"{what}: expected start:stop[:step] or a comma list of numbers, got {text!r}") from e
+    if not vals:
+        raise SelfSpecError(f"{what}: the range {text!r} is empty")
+    if any(not 0 < v < 1 for v in vals):
+        raise SelfSpecError(f"{what}: skip ratios must be in (0, 1), got {vals}")
+    return vals
+
+
+def skip_layers(num_layers: int, ratio: float) -> tuple[int, ...]:
+    """round(ratio * L) layers spread evenly over the interior layers 1..L-2."""
+    interior = list(range(1, num_layers - 1)) or list(range(num_layers))
+    n = min(max(1, round(ratio * num_layers)), len(interior))
+    if n == 1:
+        return (interior[len(interior) // 2],)
+    return tuple(sorted({interior[round(i * (len(interior) - 1) / (n - 1))] for i in range(n)}))
+
+
+def row_draft(strategy: str, row, K: int, num_layers: int, skip_kind: str, extra: dict) -> DraftConfig:
+    if strategy == "early-exit":
+        return DraftConfig(strategy="early-exit", exit_layer=int(row), num_speculations=K, **extra)
+    layers = skip_layers(num_layers, float(row))
+    attn = layers if skip_kind in ("attn", "both") else ()
+    mlp = layers if skip_kind in ("mlp", "both") else ()
+    return DraftConfig(strategy="layer-skip", skip_attn=attn, skip_mlp=mlp, num_speculations=K, **extra)
+
+
+def _slim(rec: dict) -> dict:
+    rec = dict(rec)
+    rec.pop("token_ids", None)
+    rec.pop("text", None)
+    return rec
+
+
+def cell_summary(cell: dict, baseline_runs: dict) -> dict:
+    """Aggregate a cell against the baseline runs of the same prompts."""
+    runs = cell["samples"]
+    base = [baseline_runs[r["id"]] for r in runs if r["id"] in baseline_runs]
+    s, b = aggregate_runs(runs), aggregate_runs(base)
+    ratios = [
+        r["tokens_per_second"] / baseline_runs[r["id"]]["tokens_per_second"]
+        for r in runs
+        if r["id"] in baseline_runs and baseline_runs[r["id"]]["tokens_per_second"]
+    ]
+    return {
+        "samples": len(runs),
+        "tokens_per_second": s["tokens_per_second"],
+        "baseline_tokens_per_second": b["tokens_per_second"],
+        "speedup": s["tokens_per_second"] / b["tokens_per_second"] if runs and b["tokens_per_second"] else None,
+        "speedup_median": _median(ratios),
+        "acceptance_rate": s["acceptance_rate"],
+        "mean_accepted_length": s["mean_accepted_length"],
+        "per_position_acceptance": s["per_position_acceptance"],
+        "drafted": s["drafted"],
+        "accepted": s["accepted"],
+        "verify_steps": s["verify_steps"],
+        "time_s": s["time_s"],
+        "baseline_time_s": b["time_s"],
+        "time_split_s": s["time_split_s"],
+        "identical_outputs": sum(1 for r in runs if r.get("identical")),
+    }
+
+
+def best_cell(cells: list[dict], requested: int) -> dict | None:
+    done = [c for c in cells if c["summary"]["speedup"] is not None]
+    complete = [c for c in done if c["summary"]["samples"] == requested]
+    pool = complete or done
+    return max(pool, key=lambda c: c["summary"]["speedup"]) if pool else None
+
+
+def csv_text(results: dict) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, lineterminator="\n")
+    w.writeheader()
+    for c in results["cells"]:
+        d, s = c["draft"], c["summary"]
+        w.writerow({
+            "strategy": d["strategy"],
+            "row": c["row"],
+            "exit_layer": d.get("exit_layer") if d["strategy"] == "early-exit" else "",
+            "skip_ratio": c["row"] if d["strategy"] == "layer-skip" else "",
+            "skip_attn": " ".join(map(str, d.get("skip_attn") or [])),
+            "skip_mlp": " ".join(map(str, d.get("skip_mlp") or [])),
+            "num_speculations": d["num_speculations"],
+            "samples": s["samples"],
+            "complete": s["samples"] == results["requested"],
+            **{k: s[k] for k in CSV_FIELDS[9:]},
+        })
+    return buf.getvalue()
+
+
+def run_sweep(
+    model,
+    strategy: str,
+    rows: list,
+    ks: list[int],
+    dataset: Dataset,
+    settings: Settings,
+    *,
+    skip_kind: str = "both",
+    extra: dict | None = None,
+    warmup: int = 1,
+    out_dir: str | os.PathLike | None = None,
+    profile_out: str | os.PathLike | None = None,
+    progress: bool = True,
+    command: list[str] | None = None,
+    log=None,
+) -> dict:
+    if strategy not in ("early-exit", "layer-skip"):
+        raise SelfSpecError(f"sweep covers early-exit and layer-skip, not {strategy!r}")
+    bad = [k for k in ks if not 1 <= k <= MAX_SPECULATIONS]
+    if bad:
+        raise SelfSpecError(f"--num-speculations: K must be in 1..{MAX_SPECULATIONS}, got {bad}")
+    L = model.spec.num_layers
+    extra = {k: v for k, v in (extra or {}).items() if v is not None}
+    grid = {(row, K): row_draft(strategy, row, K, L, skip_kind, extra) for row in rows for K in ks}
+    for cfg in grid.values():
+        cfg.check_model(L, model.spec.vocab_size)  # every cell is valid before anything runs
+    baseline = DraftConfig()
+    out_dir = Path(out_dir) if out_dir is not None else None
+    n = len(dataset.samples)
+    results = {
+        "format": FORMAT,
+        "kind": "sweep",
+        "created": now(),
+        "command": command,
+        "model": model_info(model),
+        "strategy": strategy,
+        "row_kind": "exit_layer" if strategy == "early-exit" else "skip_ratio",
+        "rows": rows,
+        "num_speculations": ks,
+        "skip_kind": skip_kind if strategy == "layer-skip" else None,
+        "fixed_options": extra,
+        "settings": {**settings.to_dict(), "warmup": warmup, "order": "per row: per prompt, baseline then each K (rotating)"},
+        "dataset": dataset.info(),
+        "environment": environment(),
+        "requested": n,
+        "interrupted": False,
+        "baseline": {str(r): [] for r in rows},
+        "cells": [{"row": r, "draft": grid[(r, K)].to_dict(), "samples": [], "summary": None} for r in rows for K in ks],
+        "best": None,
+    }
+    cells = {(c["row"], c["draft"]["num_speculations"]): c for c in results["cells"]}
+    memory = MemoryMonitor(str(model.runtime.device))
+    results["memory_method"] = memory.method
+
+    def summarize():
+        for c in results["cells"]:
+            base = {r["id"]: r for r in results["baseline"][str(c["row"])]}
+            c["summary"] = cell_summary(c, base)
+        best = best_cell(results["cells"], n)
+        results["best"] = None if best is None else {"row": best["row"], "draft": best["draft"], **best["summary"]}
+        results["peak_memory_mb"] = dict(memory.peaks)
+        results["process_peak_rss_mb"] = process_peak_rss_mb()
+
+    def save():
+        summarize()
+        if out_dir is not None:
+            write_json(out_dir / "sweep.json", results)
+            atomic_write_text(out_dir / "sweep.csv", csv_text(results))
+
+    total = len(rows) * n * (1 + len(ks))
+    try:
+        if warmup:
+            if log:
+                log(f"warming up ({warmup} untimed generation(s) each of the baseline and the first cell)")
+            warm_up(model, dataset, [baseline, grid[(rows[0], ks[0])]], settings, warmup)
+        with ProgressBar(total, "sweep", progress) as bar:
+            for row in rows:
+                label = f"{'E' if strategy == 'early-exit' else 'skip'}={row}"
+                for i, sample in enumerate(dataset.samples):
+                    seed = settings.seed + i
+                    res = measured_generate(model, sample.prompt, baseline, settings, seed, memory, "baseline")
+                    base = run_record(res, None, keep_text=False)
+                    results["baseline"][str(row)].append({"id": sample.id, **_slim(base)})
+                    bar.update(1, description=f"sweep {label}")
+                    order = ks[i % len(ks):] + ks[: i % len(ks)]
+                    for K in order:
+                        res = measured_generate(model, sample.prompt, grid[(row, K)], settings, seed, memory, "strategy")
+                        rec = run_record(res, None, keep_text=False)
+                        cells[(row, K)]["samples"].append({"id": sample.id, "identical": rec["token_ids"] == base["token_ids"], **_slim(rec)})
+                        bar.update(1)
+                    save()
+                    best = results["best"]
+                    if best is not None:
+                        bar.update(0, status=f"best so far x{best['speedup']:.2f} ({label.split('=')[0]}={best['row']}, K={best['draft']['num_speculations']}, acc {best['acceptance_rate']:.0%})")
+    except KeyboardInterrupt:
+        results["interrupted"] = True
+    finally:
+        memory.close()
+    save()
+    if out_dir is not None:
+        from selfspec.tools.report import sweep_plots
+
+        results["plots"] = [str(p) for p in sweep_plots(results, out_dir)]
+        write_json(out_dir / "sweep.json", results)
+    best = results["best"]
+    if best is not None and (profile_out is not None or out_dir is not None):
+        path = Path(profile_out) if profile_out is not None else out_dir / "best_profile.json"
+        metrics = {k: best[k] for k in ("speedup", "speedup_median", "acceptance_rate", "mean_accepted_length", "tokens_per_second", "baseline_tokens_per_second", "samples")}
+        metrics.update({
+            "dataset": dataset.name,
+            "dataset_hash": dataset.hash,
+            "max_new_tokens": settings.max_new_tokens,
+            "temperature": settings.temperature,
+            "dtype": results["model"]["dtype"],
+            "device": results["model"]["device"],
+            "machine": results["environment"].get("gpu") or results["environment"].get("cpu"),
+            "source": "selfspec sweep",
+            "created": results["created"],
+        })
+        save_profile(Profile(DraftConfig.from_dict(best["draft"]), model.fingerprint, model.name, metrics), path)
+        results["profile"] = str(path)
+        if out_dir is not None:
+            write_json(out_dir / "sweep.json", results)
+    return results
+
+
+def sweep_table(results: dict):
+    from rich.table import Table
+
+    rk = "exit layer" if results["row_kind"] == "exit_layer" else "skip ratio"
+    m = results["model"]
+    t = Table(title=f"selfspec sweep: {results['strategy']} speedup vs autoregressive - {m['name']} ({m['dtype']}, {m['device']}), "
+                    f"{results['dataset']['name']} x{results['requested']}" + (" [interrupted]" if results.get("interrupted") else ""))
+    t.add_column(rk + " \\ K")
+    for K in results["num_speculations"]:
+        t.add_column(str(K), justify="right")
+    best = results.get("best")
+    for row in results["rows"]:
+        vals = []
+        for K in results["num_speculations"]:
+            c = next(c for c in results["cells"] if c["row"] == row and c["draft"]["num_speculations"] == K)
+            s = c["summary"]
+            if not s or s["speedup"] is None:
+                vals.append("-")
+                continue
+            txt = f"{s['speedup']:.2f}x {s['acceptance_rate']:.0%}"
+            if best and best["row"] == row and best["draft"]["num_speculations"] == K:
+                txt = f"[bold green]{txt} *"
+            vals.append(txt)
+        t.add_row(str(row), *vals)
+    t.caption = "cells: speedup (ratio of means) and acceptance rate; * best"
+    return t
