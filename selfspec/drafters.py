@@ -208,7 +208,7 @@ class PromptLookupDrafter(Drafter):
                 break
         if d.tokens and not step.sampling.greedy:
             vocab = self.rt.spec.vocab_size
-            d.probs = [torch.nn.functional.one_hot(torch.tensor(t), vocab).float() for t in d.tokens]
+            d.probs = [torch.nn.functional.one_hot(torch.tensor(t, device=self.rt.device), vocab).float() for t in d.tokens]
         for i, t in enumerate(d.tokens):  # drafting past an EOS is wasted work
             if t in self.eos_ids:
                 d.tokens, d.probs = d.tokens[: i + 1], d.probs[: i + 1]

@@ -38,11 +38,12 @@ def speculative_accept(
     """draft_probs [k, V] (q, the distribution each draft token was drawn from),
     target_probs [k+1, V] (p). -> (number accepted, next token)."""
     if draft:
-        idx = torch.arange(len(draft))
-        tok = torch.tensor(draft)
+        dev = target_probs.device
+        idx = torch.arange(len(draft), device=dev)
+        tok = torch.tensor(draft, device=dev)
         p_x = target_probs[idx, tok]
         q_x = draft_probs[idx, tok]
-        u = torch.rand(len(draft), generator=rng)
+        u = torch.rand(len(draft), generator=rng, device=dev)
         # accept iff u < p/q, written without a division: u * q < p
         ok = (u * q_x < p_x).tolist()
     else:
