@@ -66,7 +66,8 @@ def speed(report, max_new=128):
     cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                       num_key_value_heads=4, max_position_embeddings=2048, initializer_range=0.02)
     torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).cuda().eval()
+    with torch.device("cuda"):
+        hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     E = 6
     with torch.no_grad():
         for L in hf.model.layers[E:]:
