@@ -17,17 +17,26 @@ equals autoregressive output exactly, not just up to rounding):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from selfspec.architectures import ModelSpec, rotary_tables, weights_from_state_dict
 from selfspec import kernels
 from selfspec.cache import KVCache
+from selfspec.config import MAX_SPECULATIONS
 
 
-def _torch_mm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, in] @ w [in, out] (+ b). A single row is padded to two (see module doc)."""
-    y = (torch.cat([x, x]) @ w)[:1] if x.shape[0] == 1 else x @ w
+def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x [..., rows, cols] with zero rows appended up to n rows."""
+    r = x.shape[-2]
+    return x if r >= n else torch.cat([x, x.new_zeros(*x.shape[:-2], n - r, x.shape[-1])], dim=-2)
+
+
+def _torch_mm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, min_rows: int = 2) -> torch.Tensor:
+    """x [T, in] @ w [in, out] (+ b), with x padded to at least min_rows rows (module doc)."""
+    y = (_pad_rows(x, min_rows) @ w)[: x.shape[0]]
     return y if b is None else y + b
 
 
@@ -50,7 +59,10 @@ class Runtime:
         # bf16 on the CPU goes through our kernel when it compiled here; everything else
         # (fp32, CUDA) through torch. One choice per runtime: decode and verify must share it.
         self.uses_kernels = self.device.type == "cpu" and dtype == torch.bfloat16 and kernels.available()
-        self._mm = _kernel_mm if self.uses_kernels else _torch_mm
+        # Row padding: CPU BLAS agrees for any >= 2 rows; cuBLAS picks kernels by shape, so on
+        # CUDA every decode/verify matmul runs at one fixed row count (static shapes).
+        self.min_rows = 2 if self.device.type == "cpu" else 2 * MAX_SPECULATIONS
+        self._mm = _kernel_mm if self.uses_kernels else functools.partial(_torch_mm, min_rows=self.min_rows)
         rows = weights["head"]  # [V, H]
         self.head = kernels.pack_rows(rows) if self.uses_kernels else rows.t().contiguous()  # [H, V]
         self._rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -139,18 +151,14 @@ class Runtime:
         cos, sin = cos[pos : pos + T], sin[pos : pos + T]
         q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         cache.write(i, pos, k, v)
-        # Group the query heads that share a kv head: [nkv, g*T, D]. A lone row is padded
-        # to two, as in _mm, so decode and verify hit the same matmul kernel.
+        # Group the query heads that share a kv head: [nkv, g*T, D], rows padded as in _mm
+        # so decode and verify hit the same matmul kernel.
         g, nkv, C = s.group_size, s.num_kv_heads, cache.capacity
-        rows = g * T
-        qg = q.reshape(nkv, rows, s.head_dim)
-        if rows == 1:
-            qg = torch.cat([qg, qg], dim=1)
+        rows, min_rows = g * T, self.min_rows * (g if self.min_rows > 2 else 1)
+        qg = _pad_rows(q.reshape(nkv, rows, s.head_dim), min_rows)
         scores = torch.matmul(qg, cache.kt[i])[:, :rows]  # [nkv, rows, C]
         scores = (scores.float() * s.attn_scale).view(nkv, g, T, C).masked_fill(~mask, float("-inf"))
-        probs = scores.softmax(-1).to(x.dtype).view(nkv, rows, C)
-        if rows == 1:
-            probs = torch.cat([probs, probs], dim=1)
+        probs = _pad_rows(scores.softmax(-1).to(x.dtype).view(nkv, rows, C), min_rows)
         out = torch.matmul(probs, cache.v[i])[:, :rows]  # [nkv, rows, D]
         out = out.view(s.num_heads, T, s.head_dim).transpose(0, 1).reshape(T, self._q)
         out = self._mm(out, L["wo"], L.get("bo"))
