@@ -160,7 +160,7 @@ class Runtime:
         scores = (scores.float() * s.attn_scale).view(nkv, g, T, C).masked_fill(~mask, float("-inf"))
         probs = _pad_rows(scores.softmax(-1).to(x.dtype).view(nkv, rows, C), min_rows)
         out = torch.matmul(probs, cache.v[i])[:, :rows]  # [nkv, rows, D]
-        out = out.view(s.num_heads, T, s.head_dim).transpose(0, 1).reshape(T, self._q)
+        out = out.reshape(s.num_heads, T, s.head_dim).transpose(0, 1).reshape(T, self._q)
         out = self._mm(out, L["wo"], L.get("bo"))
         if s.sandwich_norms:
             out = self._norm(out, L["post_attn_norm"])
