@@ -82,6 +82,7 @@ class SelfSpecModel:
         self.eos_token_ids = tuple(sorted(eos))
         self._drafters: dict[DraftConfig, Drafter] = {}
         self._draft_models: dict[str, Runtime] = {}
+        self._token_order: torch.Tensor | None = None
 
     @property
     def context_length(self) -> int:
@@ -139,12 +140,15 @@ class SelfSpecModel:
         return self._drafters[cfg]
 
     def draft_vocabulary(self, n: int) -> torch.Tensor:
-        """The n token ids used as the restricted draft vocabulary (lowest ids as a fallback
-        ordering until a frequency table is attached with `set_token_frequencies`)."""
-        order = getattr(self, "_token_order", None)
-        if order is None:
-            order = torch.arange(self.spec.vocab_size)
-        return order[:n].sort().values.to(self.runtime.device)
+        """The n most frequent token ids (see draft_vocab.py), sorted by id."""
+        if self._token_order is None:
+            if self.tokenizer is None:
+                raise SelfSpecError("a restricted draft vocabulary needs token frequencies: load a tokenizer or call set_token_frequencies")
+            from selfspec.draft_vocab import cached_frequency_order
+            from selfspec.loading import cache_root
+
+            self._token_order = cached_frequency_order(self.tokenizer, self.spec.vocab_size, cache_root() / "draft-vocab")
+        return self._token_order[:n].sort().values.to(self.runtime.device)
 
     def set_token_frequencies(self, order: torch.Tensor) -> None:
         """Token ids, most frequent first: defines the restricted draft vocabularies."""
