@@ -137,11 +137,24 @@ class _Output:
 
     def _emit(self, token: int, drafted: bool) -> None:
         text = self.text
-        # hold back an incomplete multi-byte character until it is complete
-        safe = len(text) if self.finish is not None or not text.endswith("\ufffd") else len(text) - 1
+        safe = len(text)
+        if self.finish is None:
+            if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
+                safe -= 1
+            safe -= self._stop_prefix_len(text[:safe])  # might become a stop string: wait
         delta = text[self._emitted : safe] if safe > self._emitted else ""
         self._emitted = max(self._emitted, safe)
         self.on_event(StreamEvent(delta, token, drafted))
+
+    def _stop_prefix_len(self, text: str) -> int:
+        """Length of the longest suffix of text that is a proper prefix of a stop string."""
+        best = 0
+        for s in self.gen.stop:
+            for n in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:n]):
+                    best = n
+                    break
+        return best
 
     def final_text(self) -> str:
         return self.text if self._track_text else self._decode()

@@ -1,0 +1,701 @@
+"""`selfspec serve`: the real server process on a free loopback port, driven by the official
+openai client (streaming and not) and raw HTTP for the error cases; plus in-process servers
+(uvicorn in a thread) for the scheduling properties that need a controlled engine speed.
+
+The model is a tiny random Llama with a byte-level BPE tokenizer built here, offline.
+"""
+
+import concurrent.futures
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("prometheus_client")
+uvicorn = pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+import torch  # noqa: E402
+
+import selfspec  # noqa: E402
+from selfspec.server.app import ServerSettings, _stop_holdback, create_app  # noqa: E402
+
+KEY = "test-key-123"
+NAME = "tiny"
+LOOPBACK = "127.0.0.1"
+PROMPTS = ["Hello, world! How", "def f(x):\n    return", "Once upon a time there was"]
+STRATEGY = {"strategy": "early-exit", "exit_layer": 2}
+SUBPROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+
+
+# ---- fixtures ---------------------------------------------------------------------------
+
+
+def build_tiny_model(out: Path, context: int = 512) -> Path:
+    """A 4-layer random Llama (fp32, safetensors) + a byte-level BPE tokenizer with a chat
+    template, built offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    corpus = ["The quick brown fox jumps over the lazy dog. ", "def f(x):\n    return x * 2\n",
+              "Hello, world! How are you today?", "Once upon a time there was a tiny model."] * 20
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=["<s>", "</s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}assistant:{% endif %}")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=context, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+                      tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(out, safe_serialization=True)
+    fast.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def model(tiny_dir):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: one thread is fastest, and robust on a busy machine
+    yield selfspec.load(str(tiny_dir), dtype="float32", device="cpu")
+    torch.set_num_threads(threads)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def wait_until(pred, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def _healthy(url: str, proc=None) -> bool:
+    if proc is not None and proc.poll() is not None:
+        raise AssertionError(f"server exited with {proc.returncode}")
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], log_path: Path, startup_timeout: float = 90, ready_line: str | None = None):
+        self.port = free_port()
+        self.url = f"http://{LOOPBACK}:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        cmd = [sys.executable, "-m", "selfspec", "serve", *args, "--host", LOOPBACK, "--port", str(self.port)]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=SUBPROCESS_ENV, start_new_session=True)
+        try:
+            wait_until(lambda: _healthy(self.url, self.proc) and (ready_line is None or ready_line in self.log()),
+                       startup_timeout, "the server to start")
+        except BaseException:
+            self.stop()
+            print(self.log())
+            raise
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 30) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: only what it started
+                self.proc.wait(10)
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir, tmp_path_factory):
+    s = ServerProcess(
+        ["--model", str(tiny_dir), "--dtype", "float32", "--device", "cpu", "--strategy", "early-exit", "--exit-layer", "2",
+         "--served-model-name", NAME, "--api-key", KEY, "--max-concurrency", "4", "--max-new-tokens-limit", "300",
+         "--max-num-speculations", "8", "--allowed-strategies", "autoregressive,early-exit,prompt-lookup", "--threads", "1"],
+        tmp_path_factory.mktemp("logs") / "server.log",
+    )
+    yield s
+    s.stop()
+    # uvicorn shuts down gracefully, then re-raises SIGTERM so the exit status reports it
+    assert s.proc.returncode in (0, -signal.SIGTERM), s.log()[-3000:]
+    assert "Traceback" not in s.log(), s.log()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def direct(model, prompt, max_new_tokens=40, **kw):
+    kw = {"temperature": 0.0, **STRATEGY, **kw}
+    return model.generate(prompt, max_new_tokens=max_new_tokens, **kw)
+
+
+def post(server, path, body=None, key=KEY, raw=None, **kw):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if raw is not None:
+        return httpx.post(server.url + path, content=raw, headers={**headers, "content-type": "application/json"}, timeout=30, **kw)
+    return httpx.post(server.url + path, json=body, headers=headers, timeout=30, **kw)
+
+
+def sse_events(text: str) -> list[str]:
+    return [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
+
+
+# ---- the real server process, openai client ----------------------------------------------
+
+
+def test_models_and_health(server, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [NAME]
+    h = httpx.get(server.url + "/health", timeout=10).json()
+    assert h["status"] == "ok" and h["model"] == NAME
+
+
+def test_completion_greedy_matches_direct_generation(server, client, model):
+    for prompt in PROMPTS:
+        ref = direct(model, prompt)
+        r = client.completions.create(model=NAME, prompt=prompt, max_tokens=40, temperature=0)
+        assert r.choices[0].text == ref.text
+        assert r.choices[0].finish_reason == ("length" if ref.finish_reason == "length" else "stop")
+        assert r.usage.prompt_tokens == ref.prompt_tokens and r.usage.completion_tokens == len(ref.token_ids)
+        stats = r.model_extra["selfspec"]
+        assert stats["strategy"] == "early-exit" and stats["new_tokens"] == len(ref.token_ids)
+        assert stats["drafted"] == ref.stats.drafted and stats["accepted"] == ref.stats.accepted
+        for k in ("acceptance_rate", "mean_accepted_length", "verify_steps", "time_to_first_token_s", "queue_time_s"):
+            assert k in stats
+
+
+def test_greedy_matches_selfspec_generate_cli(server, client, tiny_dir):
+    """The same prompt and strategy through `selfspec generate --json` (plain and --chat)."""
+    base = [sys.executable, "-m", "selfspec", "generate", PROMPTS[0], "--model", str(tiny_dir), "--dtype", "float32",
+            "--device", "cpu", "--strategy", "early-exit", "--exit-layer", "2", "--max-new-tokens", "40", "--temperature", "0",
+            "--json"]
+    procs = [subprocess.Popen(base + extra, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=SUBPROCESS_ENV)
+             for extra in ([], ["--chat"])]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    r = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=40, temperature=0)
+    assert r.choices[0].text == outs[0]["text"]
+    c = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=40, temperature=0)
+    assert c.choices[0].message.content == outs[1]["text"]
+    assert c.choices[0].message.role == "assistant"
+
+
+def test_chat_matches_direct_and_multi_turn(client, model, tiny_dir):
+    ref = direct(model, PROMPTS[1], chat=True)
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=40, temperature=0)
+    assert r.choices[0].message.content == ref.text
+    assert r.model_extra["selfspec"]["new_tokens"] == len(ref.token_ids)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello"}, {"role": "user", "content": [{"type": "text", "text": "How are you?"}]}]
+    ids = model.tokenizer.apply_chat_template(
+        [{**m, "content": m["content"] if isinstance(m["content"], str) else m["content"][0]["text"]} for m in msgs],
+        add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    ref = direct(model, list(ids), max_new_tokens=20)
+    r = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=20, temperature=0)
+    assert r.choices[0].message.content == ref.text
+    assert r.usage.prompt_tokens == len(ids)
+
+
+def test_streaming_equals_non_streaming(client, model):
+    for prompt in PROMPTS[:2]:
+        ref = direct(model, prompt)
+        chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=40, temperature=0, stream=True,
+                                                stream_options={"include_usage": True}))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text == ref.text
+        finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert finals == ["length" if ref.finish_reason == "length" else "stop"]
+        last = chunks[-1]
+        assert last.choices == [] and last.usage.completion_tokens == len(ref.token_ids)
+        assert last.model_extra["selfspec"]["accepted"] == ref.stats.accepted
+        assert all(c.usage is None for c in chunks[:-1])
+
+        ref = direct(model, prompt, chat=True)
+        chunks = list(client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": prompt}], max_tokens=40,
+                                                     temperature=0, stream=True, stream_options={"include_usage": True}))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == ref.text
+        assert chunks[-1].usage.total_tokens == ref.prompt_tokens + len(ref.token_ids)
+        assert "selfspec" in chunks[-1].model_extra
+
+    # without include_usage: no usage chunk, and the raw stream ends with data: [DONE]
+    chunks = list(client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=5, temperature=0, stream=True))
+    assert all(c.choices for c in chunks)
+
+
+def test_raw_sse_format(server):
+    r = post(server, "/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
+                                              "temperature": 0, "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    assert r.text.endswith("data: [DONE]\n\n")
+    objs = [json.loads(e) for e in events[:-1]]
+    assert all(o["object"] == "chat.completion.chunk" and o["id"] == objs[0]["id"] for o in objs)
+    assert objs[-1]["choices"] == [] and objs[-1]["usage"]["completion_tokens"] == 8
+
+
+def test_stop_strings_stream_and_plain_agree(client, model):
+    """A stop string that spans tokens: the stream must not leak its first part."""
+    full = direct(model, PROMPTS[0], max_new_tokens=40).text
+    # candidates: substrings that start mid-text and span several characters
+    stops = [full[i:i + 5] for i in (8, 14, 20) if len(full) >= i + 5]
+    for stop in stops:
+        ref = direct(model, PROMPTS[0], max_new_tokens=40, stop=[stop])
+        r = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=40, temperature=0, stop=[stop])
+        assert r.choices[0].text == ref.text
+        chunks = list(client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=40, temperature=0, stop=stop, stream=True))
+        assert "".join(c.choices[0].text for c in chunks) == ref.text
+        if ref.finish_reason == "stop":
+            assert r.choices[0].finish_reason == "stop" and stop not in r.choices[0].text
+
+
+def test_stop_holdback_unit():
+    assert _stop_holdback("abc", ("cd",)) == 1
+    assert _stop_holdback("abc", ("bcz", "q")) == 2
+    assert _stop_holdback("abc", ("xbc",)) == 0
+    assert _stop_holdback("abc", ("zz",)) == 0
+    assert _stop_holdback("", ("ab",)) == 0
+
+
+def test_sampling_with_seed_is_reproducible_and_matches_direct(client, model):
+    kw = dict(temperature=0.9, top_p=0.95, seed=1234)
+    ref = direct(model, PROMPTS[2], max_new_tokens=30, top_k=50, **kw)
+    outs = [client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=30, extra_body={"top_k": 50}, **kw)
+            .choices[0].text for _ in range(2)]
+    assert outs[0] == outs[1] == ref.text
+
+
+def test_per_request_strategy_within_limits(client, model):
+    ref = direct(model, PROMPTS[0], strategy="autoregressive")
+    for ext in ({"strategy": "prompt-lookup", "max_ngram": 2}, {"strategy": "autoregressive"},
+                {"exit_layer": 3, "num_speculations": 8}):
+        r = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=40, temperature=0, extra_body={"selfspec": ext})
+        assert r.choices[0].text == ref.text  # lossless: greedy output never depends on the draft
+        stats = r.model_extra["selfspec"]
+        assert stats["strategy"] == ext.get("strategy", "early-exit")
+        for k, v in ext.items():
+            assert stats["draft"][k] == v
+    for ext, fragment in (({"num_speculations": 9}, "1..8"), ({"strategy": "layer-skip", "skip_mlp": [1]}, "not allowed"),
+                          ({"strategy": "draft-model"}, "not allowed"), ({"draft_model": "/etc"}, "cannot be set per request"),
+                          ({"exit_layer": 99}, "exit layer"), ({"num_speculations": "4"}, "integer"), ({"bogus": 1}, "bogus")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=NAME, prompt="Hi", max_tokens=5, extra_body={"selfspec": ext})
+        assert fragment in str(e.value), (ext, str(e.value))
+
+
+# ---- error answers: raw HTTP ------------------------------------------------------------
+
+LONG = "The quick brown fox jumps over the lazy dog. " * 120  # > 512 tokens
+
+ERROR_CASES = [
+    # (path, raw body or JSON body, status, code)
+    ("/v1/completions", b"{not json", 400, "invalid_json"),
+    ("/v1/completions", b"", 400, "invalid_json"),
+    ("/v1/completions", [1, 2], 400, "invalid_json"),
+    ("/v1/completions", {"model": NAME, "prompt": "Hi", "max_tokens": "ten"}, 400, "invalid_type"),
+    ("/v1/completions", {"model": NAME, "prompt": "Hi", "max_tokens": True}, 400, "invalid_type"),
+    ("/v1/completions", {"model": NAME, "prompt": "Hi", "temperature": "hot"}, 400, "invalid_type"),
+    ("/v1/completions", {"model": NAME, "prompt": "Hi", "temperature": 3}, 400, "invalid_value"),
+    ("/v1/completions", {"model": NAME, "prompt": "Hi", "top_p": 0}, 400, "invalid_value"),
+    ("/v1/completions", {"model": NAME, "prompt": "Hi", "top_k": 1.5}, 400, "invalid_type"),
+    ("/v1/completions", {"model": NAME, "prompt": "Hi", "seed": "x"}, 400, "invalid_type"),
+    ("/v1/completions", {"model": NAME, "prompt": "Hi", "stop": 5}, 400, "invalid_type"),
+    ("/v1/completions", {"model": NAME, "prompt": "Hi", "stream": "yes"}, 400, "invalid_type"),
+    ("/v1/completions", {"model": NAME, "prompt": "Hi", "stream_options": {"include_usage": True}}, 400, None),
+    ("/v1/completions", {"model": NAME, "prompt": 42}, 400, "invalid_type"),
+    ("/v1/completions", {"model": NAME, "prompt": ["a", "b"]}, 400, "unsupported_parameter"),
+    ("/v1/completions", {"model": NAME, "prompt": [5, 99999]}, 400, "invalid_value"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "Hi"}, 404, "model_not_found"),
+    ("/v1/completions", {"prompt": "Hi"}, 400, "missing_required_parameter"),
+    ("/v1/completions", {"model": NAME}, 400, "missing_required_parameter"),
+    ("/v1/completions", {"model": NAME, "prompt": ""}, 400, "empty_prompt"),
+    ("/v1/completions", {"model": NAME, "prompt": "   \n"}, 400, "empty_prompt"),
+    ("/v1/completions", {"model": NAME, "prompt": []}, 400, "empty_prompt"),
+    ("/v1/completions", {"model": NAME, "prompt": LONG}, 400, "context_length_exceeded"),
+    ("/v1/completions", {"model": NAME, "prompt": "Hi", "max_tokens": 301}, 400, "max_tokens_exceeded"),
+    ("/v1/completions", {"model": NAME, "prompt": "Hi", "max_tokens": 0}, 400, "invalid_value"),
+    ("/v1/completions", {"model": NAME, "prompt": "Hi", "n": 2}, 400, "unsupported_parameter"),
+    ("/v1/completions", {"model": NAME, "prompt": "Hi", "logprobs": 3}, 400, "unsupported_parameter"),
+    ("/v1/completions", {"model": NAME, "prompt": "Hi", "presence_penalty": 0.5}, 400, "unsupported_parameter"),
+    ("/v1/completions", {"model": NAME, "prompt": "Hi", "frobnicate": 1}, 400, "unrecognized_argument"),
+    ("/v1/completions", {"model": NAME, "prompt": "Hi", "selfspec": "fast"}, 400, "invalid_type"),
+    ("/v1/chat/completions", {"model": NAME, "messages": "Hi"}, 400, "invalid_type"),
+    ("/v1/chat/completions", {"model": NAME, "messages": []}, 400, "empty_prompt"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": ""}]}, 400, "empty_prompt"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "wizard", "content": "x"}]}, 400, "invalid_value"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": 5}]}, 400, "invalid_type"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "unsupported_parameter"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": LONG}]}, 400, "context_length_exceeded"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 1000},
+     400, "max_tokens_exceeded"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+     400, "unsupported_parameter"),
+    ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model_not_found"),
+]
+
+
+def test_error_cases_use_openai_shape(server):
+    for path, body, status, code in ERROR_CASES:
+        r = post(server, path, raw=body) if isinstance(body, bytes) else post(server, path, body)
+        assert r.status_code == status, (body if not isinstance(body, dict) or body.get("prompt") is not LONG else "LONG", r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+        if code is not None:
+            assert err["code"] == code, (body, err)
+    # the server is still up and still answers correctly
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    assert post(server, "/v1/completions", {"model": NAME, "prompt": "Hi", "max_tokens": 3, "temperature": 0}).status_code == 200
+
+
+def test_defaults_and_extras_accepted(server):
+    # no temperature (OpenAI default 1.0), null fields, off-valued unsupported fields, a batch of one, token ids
+    for body in ({"model": NAME, "prompt": "Hi", "max_tokens": 3, "seed": 1},
+                 {"model": NAME, "prompt": ["Hi"], "max_tokens": 3, "temperature": None, "top_p": None, "stop": None, "n": 1,
+                  "logprobs": None, "echo": False, "presence_penalty": 0, "user": "me", "selfspec": {}},
+                 {"model": str(server.proc.args[server.proc.args.index("--model") + 1]), "prompt": [5, 6, 7], "max_tokens": 3}):
+        r = post(server, "/v1/completions", body)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] <= 3
+
+
+def test_api_key(server, client):
+    body = {"model": NAME, "prompt": "Hi", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": "Basic " + KEY}):
+        r = httpx.post(server.url + "/v1/completions", json=body, headers=headers, timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = httpx.get(server.url + "/v1/models", timeout=10)
+    assert r.status_code == 401
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=NAME, prompt="Hi", max_tokens=2)
+    # health and metrics need no key
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    assert httpx.get(server.url + "/metrics", timeout=10).status_code == 200
+
+
+def test_unknown_route_and_method(server):
+    r = httpx.get(server.url + "/v1/nothing-here", timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = httpx.get(server.url + "/v1/completions", timeout=10)
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_metrics_prometheus(server, client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=20, temperature=0)
+    list(client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=20, temperature=0, stream=True))
+    r = httpx.get(server.url + "/metrics", timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    fam = {f.name: f for f in text_string_to_metric_families(r.text)}
+    for name in ("selfspec_requests", "selfspec_generation_tokens", "selfspec_draft_tokens", "selfspec_accepted_draft_tokens",
+                 "selfspec_acceptance_rate", "selfspec_mean_accepted_length", "selfspec_time_to_first_token_seconds",
+                 "selfspec_time_per_output_token_seconds", "selfspec_request_latency_seconds", "selfspec_prompt_tokens"):
+        assert name in fam, name
+
+    def value(name, suffix="_total", **labels):
+        return sum(s.value for s in fam[name].samples if s.name == name + suffix and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    assert value("selfspec_requests", endpoint="completions", status="200") >= 2
+    assert value("selfspec_requests", status="400") >= 1
+    assert value("selfspec_generation_tokens") >= 40
+    drafted, accepted = value("selfspec_draft_tokens"), value("selfspec_accepted_draft_tokens")
+    assert drafted > 0 and 0 <= accepted <= drafted
+    assert value("selfspec_acceptance_rate", "") == pytest.approx(accepted / drafted)
+    assert value("selfspec_mean_accepted_length", "") >= 1.0
+    assert value("selfspec_time_to_first_token_seconds", "_count") >= 2
+    assert value("selfspec_time_per_output_token_seconds", "_count") >= 2
+
+
+def test_one_log_line_per_request(server):
+    marker = f"/v1/log-marker-{time.time_ns()}"
+    httpx.get(server.url + marker, timeout=10)
+    post(server, "/v1/completions", {"model": NAME, "prompt": "Log me", "max_tokens": 4, "temperature": 0})
+    lines = wait_until(lambda: [ln for ln in server.log().splitlines() if marker in ln], 5, "the log line")
+    assert len(lines) == 1 and '" 404 ' in lines[0]
+    # the access line is written after the response is sent: wait for it rather than race it
+    lines = wait_until(lambda: [ln for ln in server.log().splitlines() if '"POST /v1/completions" 200' in ln and "completion=4 " in ln], 5, "the POST log line")
+    assert re.search(r"prompt=\d+ completion=4 finish=length strategy=early-exit", lines[-1]), lines[-1]
+    assert "Traceback" not in server.log()
+
+
+def test_disconnect_mid_stream_frees_the_slot(server):
+    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 300, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=30) as c:
+        with c.stream("POST", server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())
+        # leaving the block closes the connection mid-stream
+    wait_until(lambda: httpx.get(server.url + "/health", timeout=5).json()["in_progress"] == 0, 10, "the slot to be freed")
+    r = post(server, "/v1/completions", {"model": NAME, "prompt": "Hi", "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200
+
+
+# ---- in-process servers: scheduling with a controlled engine speed ----------------------
+
+
+class InProcessServer:
+    def __init__(self, app):
+        self.port = free_port()
+        self.url = f"http://{LOOPBACK}:{self.port}"
+        config = uvicorn.Config(app, host=LOOPBACK, port=self.port, log_config=None, access_log=False, lifespan="on",
+                                timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        wait_until(lambda: self.server.started, 20, "the in-process server")
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(20)
+
+
+class SlowEngine:
+    """Wraps model.generate (instance attribute, restored on exit): sleeps per committed token
+    and records overlapping entries and the order requests entered."""
+
+    def __init__(self, model, per_token_s=0.01):
+        self.model, self.per_token_s = model, per_token_s
+        self.active = 0
+        self.max_active = 0
+        self.entered: list = []
+        self.tokens: list[int] = []
+        self.lock = threading.Lock()
+
+    def __enter__(self):
+        orig = self.model.generate
+
+        def generate(prompt, *, on_event=None, **kw):
+            with self.lock:
+                self.active += 1
+                self.max_active = max(self.max_active, self.active)
+                self.entered.append(list(prompt))
+            count = [0]
+
+            def slow(ev):
+                time.sleep(self.per_token_s)
+                count[0] += 1
+                if on_event is not None:
+                    on_event(ev)
+
+            try:
+                return orig(prompt, on_event=slow, **kw)
+            finally:
+                self.tokens.append(count[0])
+                with self.lock:
+                    self.active -= 1
+
+        self.model.generate = generate
+        return self
+
+    def __exit__(self, *exc):
+        del self.model.generate
+
+
+def _settings(**kw):
+    return ServerSettings(**{"model_name": NAME, "max_new_tokens_limit": 400, **kw})
+
+
+def test_fifo_order_and_one_generation_at_a_time(model):
+    app = create_app(model, model.draft_config(**STRATEGY), _settings(max_concurrency=8))
+    prompts = [f"{w} is here" for w in ("Alpha", "Bravo", "Charlie", "Delta", "Echo")]
+    with SlowEngine(model, 0.02) as eng, InProcessServer(app) as srv:
+
+        def one(i):
+            time.sleep(0.2 * i)  # arrival order = index order
+            r = httpx.post(srv.url + "/v1/completions", json={"model": NAME, "prompt": prompts[i], "max_tokens": 30, "temperature": 0},
+                           timeout=60)
+            return r.status_code, r.json()
+
+        with concurrent.futures.ThreadPoolExecutor(5) as ex:
+            results = list(ex.map(one, range(5)))
+        assert [s for s, _ in results] == [200] * 5
+        assert eng.max_active == 1  # the engine was never entered by two requests at once
+        assert eng.entered == [model.encode(p) for p in prompts]  # first come, first served
+        for p, (_, body) in zip(prompts, results):
+            assert body["choices"][0]["text"] == direct(model, p, max_new_tokens=30).text
+        assert results[-1][1]["selfspec"]["queue_time_s"] > 0.01  # it really waited
+
+
+def test_overload_gets_429_quickly_and_queue_timeout_503(model):
+    app = create_app(model, model.draft_config(**STRATEGY), _settings(max_concurrency=2, queue_timeout_s=1.0))
+    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0}
+    with SlowEngine(model, 0.01), InProcessServer(app) as srv:
+        with concurrent.futures.ThreadPoolExecutor(2) as ex:
+            first = ex.submit(httpx.post, srv.url + "/v1/completions", json=body, timeout=60)
+            wait_until(lambda: httpx.get(srv.url + "/health").json()["in_progress"] == 1, 10, "the first request")
+            second = ex.submit(httpx.post, srv.url + "/v1/completions", json=body, timeout=60)
+            wait_until(lambda: httpx.get(srv.url + "/health").json()["in_progress"] == 2, 10, "the second request")
+            t0 = time.monotonic()
+            third = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+            assert third.status_code == 429 and time.monotonic() - t0 < 1.0
+            assert third.json()["error"]["code"] == "rate_limit_exceeded" and int(third.headers["Retry-After"]) >= 1
+            # the second waits behind a >2 s generation: 503 after the 1 s queue timeout
+            r2 = second.result(30)
+            assert r2.status_code == 503 and r2.json()["error"]["code"] == "server_overloaded" and "Retry-After" in r2.headers
+            assert first.result(60).status_code == 200
+        m = httpx.get(srv.url + "/metrics").text
+        assert 'selfspec_rejected_requests_total{reason="queue_full"} 1.0' in m
+        assert 'selfspec_rejected_requests_total{reason="queue_timeout"} 1.0' in m
+        ok = httpx.post(srv.url + "/v1/completions", json={**body, "max_tokens": 3}, timeout=30)
+        assert ok.status_code == 200
+
+
+def test_client_disconnect_aborts_generation_at_once(model):
+    app = create_app(model, model.draft_config(**STRATEGY), _settings(max_concurrency=4))
+    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 300, "temperature": 0}
+    with SlowEngine(model, 0.01) as eng, InProcessServer(app) as srv:
+        # mid-stream
+        with httpx.Client(timeout=30) as c:
+            with c.stream("POST", srv.url + "/v1/completions", json={**body, "stream": True}) as r:
+                lines = r.iter_lines()
+                assert next(lines).startswith("data: ")
+        wait_until(lambda: eng.active == 0 and len(eng.tokens) == 1, 3, "the engine to stop")
+        assert eng.tokens[0] < 100  # abandoned long before its 300 tokens (0.01 s each)
+        assert httpx.get(srv.url + "/health").json()["in_progress"] == 0
+        # non-streamed: a client that times out and goes away
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(srv.url + "/v1/completions", json=body, timeout=0.5)
+        wait_until(lambda: eng.active == 0 and len(eng.tokens) == 2, 3, "the engine to stop")
+        assert eng.tokens[1] < 150
+        # waiting in the queue, then gone: never reaches the engine
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            long = ex.submit(httpx.post, srv.url + "/v1/completions", json={**body, "max_tokens": 60}, timeout=30)
+            wait_until(lambda: eng.active == 1, 5, "the long request")
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(srv.url + "/v1/completions", json={**body, "prompt": "Queued"}, timeout=0.2)
+            assert long.result(30).status_code == 200
+        time.sleep(0.2)
+        assert len(eng.entered) == 3
+        m = httpx.get(srv.url + "/metrics").text
+        assert "selfspec_cancelled_generations_total 3.0" in m
+        h = httpx.get(srv.url + "/health").json()
+        assert h["in_progress"] == 0 and h["waiting"] == 0
+
+
+def test_engine_failure_is_answered_and_the_server_goes_on(model):
+    app = create_app(model, model.draft_config(**STRATEGY), _settings())
+    ref = direct(model, "Still alive", max_new_tokens=5).text
+    orig = model.generate
+
+    def failing(prompt, *, on_event=None, **kw):
+        def ev(e):
+            if list(prompt) == [5, 6]:  # only the marked requests fail, at their first token
+                raise RuntimeError("boom")
+            if on_event is not None:
+                on_event(e)
+        return orig(prompt, on_event=ev, **kw)
+
+    model.generate = failing
+    try:
+        with InProcessServer(app) as srv:
+            r = httpx.post(srv.url + "/v1/completions", json={"model": NAME, "prompt": [5, 6], "max_tokens": 5})
+            assert r.status_code == 500 and r.json()["error"]["type"] == "server_error" and "boom" in r.json()["error"]["message"]
+            r = httpx.post(srv.url + "/v1/completions", json={"model": NAME, "prompt": [5, 6], "max_tokens": 5, "stream": True})
+            assert r.status_code == 500  # failed before its first token: still a proper status
+            r = httpx.post(srv.url + "/v1/completions", json={"model": NAME, "prompt": "Still alive", "max_tokens": 5, "temperature": 0})
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref
+    finally:
+        del model.generate
+
+
+def test_operator_limits_and_settings_validation(model):
+    app = create_app(model, model.draft_config(**STRATEGY), _settings(allow_request_draft=False, max_stop=1, max_request_bytes=2000))
+    with InProcessServer(app) as srv:
+        r = httpx.post(srv.url + "/v1/completions", json={"model": NAME, "prompt": "x" * 3000})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        r = httpx.post(srv.url + "/v1/completions", json={"model": NAME, "prompt": "Hi", "selfspec": {"strategy": "autoregressive"}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "selfspec"
+        r = httpx.post(srv.url + "/v1/completions", json={"model": NAME, "prompt": "Hi", "stop": ["a", "b"]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
+        r = httpx.get(srv.url + "/v1/models")  # no api key configured: open
+        assert r.status_code == 200 and r.json()["data"][0]["max_model_len"] == model.context_length
+    for bad in ({"max_concurrency": 0}, {"queue_timeout_s": 0}, {"allowed_strategies": ("warp",)}, {"max_num_speculations": 99}):
+        with pytest.raises(selfspec.SelfSpecError):
+            _settings(**bad)
+
+
+def test_cli_rejects_bad_options_before_loading(tiny_dir):
+    for args, fragment in ((["--max-concurrency", "0"], "max_concurrency"), (["--allowed-strategies", "warp"], "warp"),
+                           (["--port", "70000"], "--port")):
+        p = subprocess.run([sys.executable, "-m", "selfspec", "serve", "--model", str(tiny_dir), *args], capture_output=True,
+                           text=True, env=SUBPROCESS_ENV, timeout=60)
+        assert p.returncode == 2 and fragment in p.stderr, p.stderr
+
+
+# ---- Ray Serve: two replicas behind one endpoint -----------------------------------------
+
+
+@pytest.mark.slow
+def test_ray_serve_two_replicas(tiny_dir, model, tmp_path):
+    pytest.importorskip("ray.serve", reason='Ray Serve is optional: pip install "ray[serve]"')
+    s = ServerProcess(["--model", str(tiny_dir), "--dtype", "float32", "--device", "cpu", "--strategy", "early-exit",
+                       "--exit-layer", "2", "--served-model-name", NAME, "--ray", "--replicas", "2", "--replica-cpus", "1",
+                       "--threads", "1"],
+                      tmp_path / "ray.log", startup_timeout=180, ready_line="with Ray Serve (2 replicas)")
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        refs = {p: direct(model, p, max_new_tokens=60).text for p in PROMPTS}
+        replicas = set()
+
+        def one(p):
+            raw = client.completions.with_raw_response.create(model=NAME, prompt=p, max_tokens=60, temperature=0)
+            return p, raw.headers.get("x-selfspec-replica"), raw.parse()
+
+        for _ in range(5):  # bounded: routing is randomised, two rounds normally suffice
+            with concurrent.futures.ThreadPoolExecutor(6) as ex:
+                for p, rep, r in ex.map(one, PROMPTS * 2):
+                    assert r.choices[0].text == refs[p]
+                    assert r.model_extra["selfspec"]["replica"] == rep
+                    replicas.add(rep)
+            if len(replicas) >= 2:
+                break
+        assert len(replicas) == 2, replicas
+        chunks = list(client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=60, temperature=0, stream=True))
+        assert "".join(c.choices[0].text for c in chunks) == refs[PROMPTS[0]]
+        r = httpx.post(s.url + "/v1/completions", content=b"{bad", timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    finally:
+        s.stop(signal.SIGINT, timeout=60)
+    assert s.proc.returncode == 0, s.log()[-3000:]
