@@ -49,7 +49,7 @@ def main() -> None:
             theirs.append(tps_hf)
             n = min(len(hf_ids), len(r.token_ids))
             same += hf_ids[:n] == r.token_ids[:n]
-        weight_bytes = sum(t.numel() * t.element_size() for L in m.runtime.layers for t in L.values()) + m.runtime.head.numel() * m.runtime.head.element_size()
+        weight_bytes = m.runtime.weight_bytes()
         o, t = statistics.mean(ours), statistics.mean(theirs)
         share = weight_bytes * o / (bw * 1e9)
         table.add_row(name, f"{t:.1f}", f"{o:.1f}", f"{o / t:.2f}x", f"{same}/{len(ids_list)}", f"{share:.0%} ({weight_bytes / 1e6:.0f} MB)")

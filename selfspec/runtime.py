@@ -110,6 +110,11 @@ class Runtime:
             h = h * self._embed_scale
         return h.contiguous()
 
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads (layers + LM head; the embedding is a gather)."""
+        tensors = [t for L in self.layers for t in L.values()] + [getattr(self.head, "data", self.head), self.final_norm]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def head_columns(self, ids: torch.Tensor) -> torch.Tensor:
         """Columns `ids` of the LM head: [H, len(ids)]."""
         if isinstance(self.head, kernels.PackedWeight):  # data [V/64, H, 64]
