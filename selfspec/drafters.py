@@ -76,7 +76,10 @@ class Drafter:
     # -- the protocol ---------------------------------------------------------------------
 
     def prefill(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Run the prompt; -> logits [V] for the first new token."""
+        """Start a generation (per-generation state is reset here) and run the prompt;
+        -> logits [V] for the first new token."""
+        if self.cfg.draft_threshold is not None:  # adaptation never leaks across generations
+            self.threshold = AdaptiveThreshold(self.cfg.draft_threshold)
         return self.rt.forward(ids, 0, cache, last_only=True)[0]
 
     def draft(self, step: Step) -> Draft:
@@ -245,6 +248,8 @@ class DraftModelDrafter(Drafter):
             logits = self.draft_rt.forward(ids, self.dpos, self.dcache, last_only=True)[0]
             if logits.shape[0] != V:  # padded vocabularies: compare over the target's ids
                 logits = torch.nn.functional.pad(logits[:V], (0, max(0, V - logits.shape[0])), value=float("-inf"))
+            if self._vocab is not None:  # the draft model has its own head: restrict its logits
+                logits = logits[self._vocab]
             self.dpos += len(feed)
             if not self._choose(logits, step, d):
                 break

@@ -107,7 +107,8 @@ class _Output:
         self._emitted = 0
 
     def _decode(self) -> str:
-        return self.tok.decode(self.ids, skip_special_tokens=True) if self.tok is not None else ""
+        ids = self.ids[:-1] if self.finish == "eos" else self.ids  # EOS: in token_ids, never in text
+        return self.tok.decode(ids, skip_special_tokens=True) if self.tok is not None else ""
 
     def push(self, tokens: list[int], drafted: list[bool]) -> None:
         for t, d in zip(tokens, drafted):

@@ -1,0 +1,52 @@
+"""Fixtures shared by the whole suite.
+
+* Tiny random-weight models of every supported architecture (built once per session).
+* The real default model (`gemma-3-270m`), loaded ONCE per session, for tests marked slow.
+
+Torch runs single-threaded here: the tiny models are far too small to gain from threads,
+and on a busy 2-core CI box OpenMP's spinning makes multi-threaded tiny matmuls ~100x
+slower. SELFSPEC_TEST_THREADS overrides it (the real-model tests use it too).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import helpers  # noqa: E402
+
+torch.set_num_threads(int(os.environ.get("SELFSPEC_TEST_THREADS", "1")))
+warnings.filterwarnings("ignore", message=".*generation flags.*")
+
+
+class _TinyZoo:
+    """Caches (hf_model, selfspec_model) pairs by their build arguments."""
+
+    def __init__(self):
+        self._cache: dict = {}
+
+    def get(self, arch: str, seed: int = 0, dtype: str = "float32", **config_kw):
+        key = (arch, seed, dtype, tuple(sorted(config_kw.items())))
+        if key not in self._cache:
+            self._cache[key] = helpers.load_tiny(arch, seed=seed, dtype=dtype, **config_kw)
+        return self._cache[key]
+
+
+@pytest.fixture(scope="session")
+def zoo() -> _TinyZoo:
+    return _TinyZoo()
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """The real Gemma 3 270M in float32 (converted from the GGUF package on first use)."""
+    import selfspec
+
+    return selfspec.load("gemma-3-270m", dtype="float32", device="cpu")

@@ -1,0 +1,204 @@
+"""The real default model, Gemma 3 270M (slow: about a minute the first time, when the
+GGUF package is converted into ~/.cache/selfspec; a few seconds after that).
+
+All tests share the session-scoped `default_model` fixture (conftest.py) and one
+transformers reference model. The cache checks work on a copy, never on the real cache.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from selfspec import loading
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village,"]
+N_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def hf_reference(default_model):
+    from transformers import AutoModelForCausalLM
+
+    d = loading.default_model_dir()
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="module")
+def autoregressive(default_model):
+    """prompt -> (prompt ids, greedy continuation), computed once."""
+    return {p: (default_model.encode(p), default_model.generate(p, max_new_tokens=N_NEW)) for p in PROMPTS}
+
+
+def test_default_model_shape(default_model):
+    spec = default_model.spec
+    assert spec.model_type == "gemma3_text"
+    assert spec.num_layers == 18 and spec.vocab_size == 262144
+    assert default_model.runtime.dtype == torch.float32
+    assert default_model.tokenizer is not None
+    assert 1 in default_model.eos_token_ids  # <eos>
+    ids = default_model.encode("Hello")
+    assert ids[0] == 2  # <bos>
+
+
+def test_greedy_matches_transformers(default_model, hf_reference, autoregressive):
+    eos = set(default_model.eos_token_ids)
+    for prompt in PROMPTS:
+        ids, ours = autoregressive[prompt]
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            ref = hf_reference.generate(
+                x, attention_mask=torch.ones_like(x), max_new_tokens=N_NEW, min_new_tokens=N_NEW, do_sample=False,
+                eos_token_id=None, pad_token_id=0,
+            )[0, len(ids):].tolist()
+        got = ours.token_ids
+        assert got == ref[: len(got)], f"{prompt!r}: {got} vs {ref}"
+        if len(got) < N_NEW:  # stopped early: only at an EOS
+            assert ours.finish_reason == "eos" and got[-1] in eos
+        else:
+            assert ours.finish_reason == "length"
+        assert len(got) >= 8, "the continuation is too short to compare anything"
+
+
+def test_prefill_logits_match_transformers(default_model, hf_reference):
+    ids = default_model.encode(PROMPTS[2])
+    rt = default_model.runtime
+    with torch.inference_mode():
+        ours = rt.forward(torch.tensor(ids), 0, rt.new_cache(len(ids) + 4))
+        ref = hf_reference(torch.tensor([ids]), use_cache=False).logits[0].float()
+    assert (ours - ref).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(strategy="early-exit", exit_layer=12, num_speculations=4),
+        dict(strategy="layer-skip", skip_mlp=[8, 10]),
+        dict(strategy="prompt-lookup"),
+    ],
+    ids=["early-exit", "layer-skip", "prompt-lookup"],
+)
+def test_strategies_equal_autoregressive(default_model, autoregressive, kw):
+    accepted = 0
+    for prompt in PROMPTS[:2]:
+        _, ar = autoregressive[prompt]
+        out = default_model.generate(prompt, max_new_tokens=N_NEW, **kw)
+        assert out.token_ids == ar.token_ids, f"{kw['strategy']} on {prompt!r}"
+        assert out.text == ar.text
+        s = out.stats
+        assert s.drafted == sum(s.per_position_drafted) and s.accepted == sum(s.per_position_accepted)
+        if out.finish_reason == "length":
+            assert len(out.token_ids) == 1 + s.accepted + s.verify_steps
+        accepted += s.accepted
+    if kw["strategy"] == "early-exit":  # layer 12 of 18 drafts well on this model
+        assert accepted > 0
+
+
+def test_row_invariance_real_model(default_model):
+    """The real shapes (hidden 640, GQA 4:1, head_dim 256, vocab 262144): a block of T rows
+    equals T single-token forwards bit for bit."""
+    rt = default_model.runtime
+    ids = default_model.encode(
+        "The capital of France is Paris, the capital of Germany is Berlin, the capital of Italy is Rome,"
+        " and the capital of Spain is Madrid."
+    )
+    P = 4
+    assert len(ids) >= P + 17
+    with torch.inference_mode():
+        for T in (2, 17):
+            a, b = rt.new_cache(64), rt.new_cache(64)
+            rt.forward(torch.tensor(ids[:P]), 0, a)
+            rt.forward(torch.tensor(ids[:P]), 0, b)
+            block = rt.forward(torch.tensor(ids[P : P + T]), P, a)
+            steps = torch.cat([rt.forward(torch.tensor([ids[P + i]]), P + i, b) for i in range(T)])
+            assert torch.equal(block, steps), f"T={T}: max diff {(block - steps).abs().max().item()}"
+
+
+# ---- the converted-model cache --------------------------------------------------------------
+
+
+def test_cache_is_complete(default_model):
+    d = loading.default_model_dir()
+    assert d == loading.cache_root() / loading.DEFAULT_MODEL
+    assert loading._cache_is_complete(d)
+    marker = json.loads((d / "selfspec-cache.json").read_text())
+    assert "model.safetensors" in marker["files"] and "config.json" in marker["files"]
+
+
+@pytest.fixture
+def cache_copy(tmp_path, default_model):
+    """A copy of the converted cache directory. model.safetensors is copied as its header
+    plus a sparse tail of the same size (what the completeness check reads), not 1 GB."""
+    src = loading.default_model_dir()
+    dst = tmp_path / loading.DEFAULT_MODEL
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name == "model.safetensors":
+            with open(f, "rb") as fin, open(dst / f.name, "wb") as fout:
+                n = int.from_bytes(fin.read(8), "little")
+                fin.seek(0)
+                fout.write(fin.read(8 + n))
+                fout.truncate(f.stat().st_size)
+        else:
+            shutil.copy2(f, dst / f.name)
+    assert loading._cache_is_complete(dst), "precondition: the copy is complete"
+    yield dst
+    shutil.rmtree(dst, ignore_errors=True)
+
+
+def _truncate(path, keep_fraction=0.5):
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.truncate(int(size * keep_fraction))
+
+
+def test_truncated_weights_detected(cache_copy):
+    _truncate(cache_copy / "model.safetensors")
+    assert not loading._cache_is_complete(cache_copy)
+
+
+def test_truncated_tokenizer_detected(cache_copy):
+    _truncate(cache_copy / "tokenizer.json", 0.9)
+    assert not loading._cache_is_complete(cache_copy)
+
+
+def test_missing_file_detected(cache_copy):
+    (cache_copy / "config.json").unlink()
+    assert not loading._cache_is_complete(cache_copy)
+
+
+@pytest.mark.parametrize("how", ["missing", "garbage", "wrong-version", "wrong-size", "truncated"])
+def test_corrupt_marker_detected(cache_copy, how):
+    marker = cache_copy / "selfspec-cache.json"
+    info = json.loads(marker.read_text())
+    if how == "missing":
+        marker.unlink()
+    elif how == "garbage":
+        marker.write_text("not json {")
+    elif how == "wrong-version":
+        marker.write_text(json.dumps({**info, "version": info["version"] + 1}))
+    elif how == "wrong-size":
+        info["files"]["model.safetensors"] += 1
+        marker.write_text(json.dumps(info))
+    else:
+        _truncate(marker, 0.5)
+    assert not loading._cache_is_complete(cache_copy)
+
+
+def test_garbled_safetensors_header_detected(cache_copy):
+    path = cache_copy / "model.safetensors"
+    with open(path, "r+b") as f:
+        f.seek(8)
+        f.write(b"\xff" * 64)  # same size, unreadable header
+    assert not loading._cache_is_complete(cache_copy)
+
+
+def test_real_cache_untouched(default_model):
+    assert loading._cache_is_complete(loading.default_model_dir())
