@@ -128,12 +128,11 @@ class Runtime:
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # Both families normalise in fp32; Llama multiplies by w after casting back, Gemma before
-        # (its (1 + w) is folded into w at load time).
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
-        if self.spec.norm == "gemma":
-            return (xf * w).to(x.dtype)
-        return w.to(x.dtype) * xf.to(x.dtype) if x.dtype != torch.float32 else xf * w
+        # (its (1 + w) is folded into w at load time). F.rms_norm is one fused op per norm.
+        eps = self.spec.rms_norm_eps
+        if self.spec.norm == "gemma" or x.dtype == torch.float32:
+            return F.rms_norm(x.float(), (x.shape[-1],), w, eps).to(x.dtype)
+        return w.to(x.dtype) * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [heads, T, D]; cos/sin [T, D] (HF's rotate_half convention)."""
@@ -160,16 +159,22 @@ class Runtime:
         # so decode and verify hit the same matmul kernel.
         g, nkv, C = s.group_size, s.num_kv_heads, cache.capacity
         rows, min_rows = g * T, self.min_rows * (g if self.min_rows > 2 else 1)
-        qg = _pad_rows(q.reshape(nkv, rows, s.head_dim), min_rows)
-        scores = torch.matmul(qg, cache.kt[i])[:, :rows]  # [nkv, rows, C]
+        qg = q.reshape(nkv, rows, s.head_dim)
+        scores = self._bmm(qg, cache.kt[i], min_rows)  # [nkv, rows, C]
         scores = (scores.float() * s.attn_scale).view(nkv, g, T, C).masked_fill(~mask, float("-inf"))
-        probs = _pad_rows(scores.softmax(-1).to(x.dtype).view(nkv, rows, C), min_rows)
-        out = torch.matmul(probs, cache.v[i])[:, :rows]  # [nkv, rows, D]
+        probs = scores.softmax(-1).to(x.dtype).view(nkv, rows, C)
+        out = self._bmm(probs, cache.v[i], min_rows)  # [nkv, rows, D]
         out = out.reshape(s.num_heads, T, s.head_dim).transpose(0, 1).reshape(T, self._q)
         out = self._mm(out, L["wo"], L.get("bo"))
         if s.sandwich_norms:
             out = self._norm(out, L["post_attn_norm"])
         return out
+
+    def _bmm(self, a: torch.Tensor, b: torch.Tensor, min_rows: int) -> torch.Tensor:
+        """Per kv head a[h] [rows, k] @ b[h] [k, n] -> [heads, rows, n], row-invariant like _mm."""
+        if self.uses_kernels:  # b[h] is a contiguous slice of the cache
+            return torch.stack([kernels.matmul(a[h], b[h]) for h in range(a.shape[0])])
+        return torch.matmul(_pad_rows(a, min_rows), b)[:, : a.shape[1]]
 
     def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         L = self.layers[i]
