@@ -18,7 +18,7 @@ PROMPTS = [
 
 
 def copy_bandwidth_gbs(size_mb: int = 512, repeats: int = 5) -> float:
-    """Bytes copied per second (read + write counted once), best of a few runs."""
+    """Memory traffic of a large copy, bytes read + bytes written per second, best of a few runs."""
     src = torch.ones(size_mb * 2**20, dtype=torch.uint8)
     dst = torch.zeros_like(src)  # touched: page faults are not bandwidth
     best = float("inf")
@@ -26,7 +26,7 @@ def copy_bandwidth_gbs(size_mb: int = 512, repeats: int = 5) -> float:
         t = time.perf_counter()
         dst.copy_(src)
         best = min(best, time.perf_counter() - t)
-    return src.numel() / best / 1e9
+    return 2 * src.numel() / best / 1e9
 
 
 def machine() -> str:
