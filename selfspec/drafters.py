@@ -256,6 +256,10 @@ class DraftModelDrafter(Drafter):
             feed = [d.tokens[-1]]
         return d
 
+    def set_draft_vocab(self, vocab):
+        """The draft model has its own head: restrict its logits (see draft), no target slice."""
+        self._vocab = vocab
+
     def accepted(self, step, draft, n):
         super().accepted(step, draft, n)
         # Valid draft KV: the context up to the pending token plus the n accepted drafts.

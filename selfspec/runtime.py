@@ -3,7 +3,7 @@
 Primitives (what drafting and verification are built from):
   embed(ids)                      -> h [T, H]
   run_layers(h, start, end, pos)  -> h after layers start..end-1, KV written at pos..pos+T-1
-  logits(h, vocab=None)           -> [T, V] (or [T, len(vocab)] over a draft vocabulary)
+  logits(h, head=None)            -> [T, V] (or [T, N] through a restricted draft head)
 Sub-layers can be skipped per call (`skip_attn`, `skip_mlp`: the residual passes through).
 
 Batch size is 1 and tensors carry no batch dimension. Two choices make a verify pass over T
@@ -210,7 +210,7 @@ class Runtime:
                 h = h + self._mlp(i, h)
         return h
 
-    def logits(self, h: torch.Tensor, vocab: torch.Tensor | None = None, head: torch.Tensor | None = None) -> torch.Tensor:
+    def logits(self, h: torch.Tensor, head=None) -> torch.Tensor:
         """Final norm + LM head. h [T, H] -> [T, V] (fp32). `head` is a [H, N] slice of the
         LM head for a restricted draft vocabulary, from prepare_weight(head_columns(ids))."""
         x = self._norm(h, self.final_norm)
