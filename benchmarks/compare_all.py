@@ -124,7 +124,7 @@ def build_methods(args, m) -> dict:
         layers = skip_layers(L, args.skip_ratio)
         ls = DraftConfig("layer-skip", skip_attn=layers, skip_mlp=layers, num_speculations=K)
     pl = DraftConfig("prompt-lookup", num_speculations=K)
-    methods = {AR: ("selfspec", DraftConfig())}
+    methods = {AR: ("selfspec", DraftConfig("autoregressive"))}
     for cfg in (ee, ls, pl):
         methods[f"selfspec {strategy_label(cfg)}"] = ("selfspec", cfg)
     if not args.no_hf:

@@ -81,7 +81,7 @@ def primitive_costs(m, E: int | None, K: int, skip: frozenset[int] = frozenset()
 
 def measure(m, cfg: DraftConfig, ids_list, max_new) -> tuple[float, float, list[int]]:
     """Mean decode tok/s (prefill excluded) of AR and of cfg, interleaved; and AR/cfg equality."""
-    ar_cfg = DraftConfig()
+    ar_cfg = DraftConfig("autoregressive")
     ar_t, sp_t, same = [], [], []
     for ids in ids_list:
         a = m.generate(ids, max_new_tokens=max_new, draft=ar_cfg)

@@ -89,7 +89,7 @@ def speed(report, max_new=128):
         r = m.generate(prompt, max_new_tokens=max_new, draft=draft)
         return r.stats.tokens_per_second, r
 
-    configs = {"autoregressive": DraftConfig()}
+    configs = {"autoregressive": DraftConfig("autoregressive")}
     for K in (2, 4, 8):
         configs[f"early-exit E={E} K={K}"] = DraftConfig("early-exit", exit_layer=E, num_speculations=K)
     skip = tuple(range(E, 22))

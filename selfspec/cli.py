@@ -29,6 +29,7 @@ _HELP = {
     "draft_model": "draft-model: path or alias of a smaller model with the same tokenizer",
     "draft_vocab": "draft over the N most frequent tokens only (verification uses all)",
     "max_ngram": "prompt-lookup: longest n-gram to match",
+    "adapter": "exit-adapter: the trained adapter file (selfspec train --recipe exit-adapter)",
     "temperature": "0 = greedy; > 0 samples",
     "top_k": "sample from the k most likely tokens",
     "top_p": "nucleus sampling mass",
@@ -81,7 +82,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_draft_args(p: argparse.ArgumentParser) -> None:
-    add_config_args(p, DraftConfig)
+    add_config_args(p, DraftConfig, skip=("base",))  # auto's base comes from a profile
     p.add_argument("--profile", default=None, help="a draft profile JSON (from search/sweep/train)")
 
 

@@ -6,11 +6,11 @@ names as keyword arguments. Invalid values raise SelfSpecError with a one-line m
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 from selfspec.errors import SelfSpecError
 
-STRATEGIES = ("autoregressive", "early-exit", "layer-skip", "draft-model", "prompt-lookup")
+STRATEGIES = ("autoregressive", "early-exit", "layer-skip", "exit-adapter", "draft-model", "prompt-lookup", "auto")
 MAX_SPECULATIONS = 16  # verify passes stay within the row counts where the CPU kernels are row-invariant
 
 
@@ -51,7 +51,7 @@ class SamplingConfig:
 class DraftConfig:
     """How to draft. Fields that a strategy does not use are ignored by it."""
 
-    strategy: str = "autoregressive"
+    strategy: str = "auto"  # drafts only while it pays: the model's searched profile, else calibration
     exit_layer: int | None = None  # early-exit: draft with layers 0..exit_layer-1
     num_speculations: int = 4  # K: the most tokens drafted per verify step
     skip_attn: tuple[int, ...] = ()  # layer-skip: attention sub-layers skipped while drafting
@@ -61,6 +61,8 @@ class DraftConfig:
     draft_model: str | None = None  # draft-model: path or alias of a smaller model
     draft_vocab: int | None = None  # draft logits over the N most frequent tokens only
     max_ngram: int = 3  # prompt-lookup: longest n-gram to match
+    adapter: str | None = None  # exit-adapter: path of the trained adapter (selfspec train --recipe exit-adapter)
+    base: DraftConfig | None = None  # auto: the draft it gates (None: the model's profile, else calibration)
 
     def __post_init__(self):
         object.__setattr__(self, "skip_attn", _parse_int_set(self.skip_attn))
@@ -79,14 +81,23 @@ class DraftConfig:
             raise SelfSpecError(f"max_ngram must be >= 1, got {self.max_ngram}")
         if self.strategy == "early-exit" and self.exit_layer is None:
             raise SelfSpecError("early-exit needs an exit layer (--exit-layer E)")
+        if self.strategy == "exit-adapter" and not self.adapter:
+            raise SelfSpecError("exit-adapter needs --adapter FILE (train one with: selfspec train --recipe exit-adapter)")
         if self.strategy == "layer-skip" and not (self.skip_attn or self.skip_mlp):
             raise SelfSpecError("layer-skip needs sub-layers to skip (--skip-attn / --skip-mlp or a profile)")
+        if self.base is not None:
+            if isinstance(self.base, dict):
+                object.__setattr__(self, "base", DraftConfig.from_dict(self.base))
+            if self.strategy != "auto":
+                raise SelfSpecError("only the auto strategy takes a base draft configuration")
+            if self.base.strategy in ("auto", "autoregressive"):
+                raise SelfSpecError(f"auto cannot gate the {self.base.strategy} strategy")
         if self.strategy == "draft-model" and not self.draft_model:
             raise SelfSpecError("draft-model needs --draft-model PATH")
 
     def check_model(self, num_layers: int, vocab_size: int) -> None:
         """Checks that need the model's shape."""
-        if self.strategy == "early-exit" and not 1 <= self.exit_layer <= num_layers - 1:
+        if self.strategy in ("early-exit", "exit-adapter") and self.exit_layer is not None and not 1 <= self.exit_layer <= num_layers - 1:
             raise SelfSpecError(f"exit layer must be in 1..{num_layers - 1} for this {num_layers}-layer model, got {self.exit_layer}")
         if self.strategy == "layer-skip":
             bad = [i for i in self.skip_attn + self.skip_mlp if not 0 <= i < num_layers]
@@ -96,14 +107,17 @@ class DraftConfig:
                 raise SelfSpecError("the skip sets skip every sub-layer: the draft would be the embedding alone")
         if self.draft_vocab is not None and self.draft_vocab > vocab_size:
             raise SelfSpecError(f"draft_vocab {self.draft_vocab} exceeds the vocabulary size {vocab_size}")
+        if self.base is not None:
+            self.base.check_model(num_layers, vocab_size)
 
     @property
     def speculative(self) -> bool:
         return self.strategy != "autoregressive"
 
     def to_dict(self) -> dict:
-        d = asdict(self)
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["skip_attn"], d["skip_mlp"] = list(self.skip_attn), list(self.skip_mlp)
+        d["base"] = None if self.base is None else self.base.to_dict()
         return d
 
     @classmethod

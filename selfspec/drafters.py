@@ -12,7 +12,8 @@ a later step (see cache.py). `autoregressive` is the degenerate case that drafts
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -21,6 +22,7 @@ from selfspec.config import DraftConfig, SamplingConfig
 from selfspec.errors import SelfSpecError
 from selfspec.runtime import Runtime
 from selfspec.sampling import probs_from_logits, sample
+from selfspec.speedup import expected_tokens
 
 
 @dataclass
@@ -73,14 +75,22 @@ class Drafter:
         self._vocab: torch.Tensor | None = None  # restricted draft vocabulary (ids), if any
         self._vocab_head: torch.Tensor | None = None  # [H, N] slice of the LM head
 
+    @property
+    def max_draft(self) -> int:
+        """K: the most tokens one step may draft (known after prefill)."""
+        return self.cfg.num_speculations if self.cfg.speculative else 0
+
     # -- the protocol ---------------------------------------------------------------------
 
     def prefill(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Start a generation (per-generation state is reset here) and run the prompt;
-        -> logits [V] for the first new token."""
-        if self.cfg.draft_threshold is not None:  # adaptation never leaks across generations
-            self.threshold = AdaptiveThreshold(self.cfg.draft_threshold)
+        """Start a generation and run the prompt; -> logits [V] for the first new token."""
+        self.start(cache)
         return self.rt.forward(ids, 0, cache, last_only=True)[0]
+
+    def start(self, cache: KVCache) -> None:
+        """Reset per-generation state (adaptation never leaks across generations)."""
+        if self.cfg.draft_threshold is not None:
+            self.threshold = AdaptiveThreshold(self.cfg.draft_threshold)
 
     def draft(self, step: Step) -> Draft:
         return Draft()
@@ -153,10 +163,13 @@ class EarlyExitDrafter(Drafter):
         for j in range(step.k):
             h = self._exit_hidden(token, step.pos + j, step.cache)  # [1, H]
             self._exit_h.append(h)
-            if not self._choose(self._draft_logits(h), step, d):
+            if not self._choose(self._draft_logits(self._head_input(h)), step, d):
                 break
             token = d.tokens[-1]
         return d
+
+    def _head_input(self, h: torch.Tensor) -> torch.Tensor:
+        return h
 
     def verify(self, step: Step, draft: Draft) -> torch.Tensor:
         inputs = [step.tokens[-1], *draft.tokens]
@@ -166,6 +179,24 @@ class EarlyExitDrafter(Drafter):
         h = torch.cat(self._exit_h)  # [k+1, H]
         h = self.rt.run_layers(h, self.exit, self.rt.num_layers, step.pos, step.cache)
         return self.rt.logits(h)
+
+
+class ExitAdapterDrafter(EarlyExitDrafter):
+    """Kangaroo-style: early exit with a small trained block between layer E-1 and the head
+    (selfspec/adapter.py). Everything else, the shared KV and the exit-query cache included,
+    is early exit's; the exit-query cache keeps the *un*adapted hidden states, which are what
+    layer E of the full model consumes."""
+
+    name = "exit-adapter"
+
+    def __init__(self, runtime, cfg, eos_ids=(), adapter=None):
+        if adapter is None:
+            raise SelfSpecError("exit-adapter strategy needs a loaded adapter")
+        super().__init__(runtime, cfg, eos_ids)
+        self.adapter = adapter
+
+    def _head_input(self, h: torch.Tensor) -> torch.Tensor:
+        return self.adapter(h)
 
 
 class LayerSkipDrafter(Drafter):
@@ -188,6 +219,21 @@ class LayerSkipDrafter(Drafter):
         return d
 
 
+def lookup_continuation(tokens: list[int], max_ngram: int, k: int) -> list[int]:
+    """Up to k tokens that followed the most recent earlier occurrence of the longest suffix
+    n-gram (n <= max_ngram) of tokens; [] when no suffix n-gram occurred before."""
+    if k <= 0:
+        return []
+    for n in range(min(max_ngram, len(tokens) - 1), 0, -1):
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):  # most recent first
+            if tokens[start : start + n] == suffix:
+                cont = tokens[start + n : start + n + k]
+                if cont:
+                    return list(cont)
+    return []
+
+
 class PromptLookupDrafter(Drafter):
     """Copy the continuation of the longest n-gram (<= max_ngram) that already occurred in
     the context and ends with the current suffix. The draft is deterministic, i.e. a point
@@ -196,19 +242,7 @@ class PromptLookupDrafter(Drafter):
     name = "prompt-lookup"
 
     def draft(self, step: Step) -> Draft:
-        toks = step.tokens
-        d = Draft()
-        for n in range(min(self.cfg.max_ngram, len(toks) - 1), 0, -1):
-            suffix = toks[-n:]
-            # most recent earlier occurrence, scanning backwards
-            for start in range(len(toks) - n - 1, -1, -1):
-                if toks[start : start + n] == suffix:
-                    cont = toks[start + n : start + n + step.k]
-                    if cont:
-                        d.tokens = list(cont)
-                        break
-            if d.tokens:
-                break
+        d = Draft(lookup_continuation(step.tokens, self.cfg.max_ngram, step.k))
         if d.tokens and not step.sampling.greedy:
             vocab = self.rt.spec.vocab_size
             d.probs = [torch.nn.functional.one_hot(torch.tensor(t, device=self.rt.device), vocab).float() for t in d.tokens]
@@ -234,10 +268,10 @@ class DraftModelDrafter(Drafter):
         self.dcache: KVCache | None = None
         self.dpos = 0
 
-    def prefill(self, ids, cache):
+    def start(self, cache):
+        super().start(cache)
         self.dcache = self.draft_rt.new_cache(cache.capacity)
         self.dpos = 0
-        return super().prefill(ids, cache)
 
     def draft(self, step: Step) -> Draft:
         d = Draft()
@@ -266,8 +300,122 @@ class DraftModelDrafter(Drafter):
         self.dpos = min(self.dpos, step.pos + 1 + n)
 
 
-def make_drafter(runtime: Runtime, cfg: DraftConfig, eos_ids=(), draft_runtime: Runtime | None = None) -> Drafter:
+class AutoDrafter(Drafter):
+    """Draft only while it pays. Wraps a base drafter (from the model's profile, or chosen
+    by calibration) and before each step predicts, for every k <= K,
+
+        S(k) = E[N](alpha, k) * t_ar / (k * t_draft + t_verify(k))
+
+    from a measured CostModel (speedup.py) corrected online by the ratio of observed to
+    modelled step times, and an online acceptance estimate alpha = A / (A + R): decayed
+    counts of accepted drafts and of rejections (greedy acceptance stops at the first
+    rejection, so each step is A += n, R += [n < drafted]). It drafts with the best k, or
+    not at all when no k beats plain decoding; then it re-probes with k = 1 after a
+    back-off that doubles (up to MAX_BACKOFF steps) while probes keep failing. A bad draft
+    thus costs a few k = 1 probes, and output never changes: every step is verified."""
+
+    name = "auto"
+    DECAY = 0.9  # per drafting step, on A and R: recent acceptance matters most
+    BASE_BACKOFF, MAX_BACKOFF = 4, 64
+    PRIOR = (1.0, 1.0)  # alpha starts at 0.5, worth two observations
+
+    def __init__(self, runtime, cfg, eos_ids=(), base: Drafter | None = None, costs=None,
+                 choose_base=None, capture_exits: tuple[int, ...] = (), prior: tuple[float, float] | None = None,
+                 timing: bool = True):
+        super().__init__(runtime, cfg, eos_ids)
+        self.base, self.costs = base, costs
+        self.choose_base = choose_base  # (ids, captured hidden states) -> Drafter, without a base
+        self.capture_exits = capture_exits
+        self.prior = prior or self.PRIOR
+        self.timing = timing  # correct the cost model by observed step times (greedy only)
+        self.decisions: list[int] = []  # k chosen per step (0 = plain decoding), for stats/tests
+
+    @property
+    def max_draft(self) -> int:
+        return self.base.cfg.num_speculations if self.base is not None else self.cfg.num_speculations
+
+    K = max_draft
+
+    def prefill(self, ids, cache):
+        self._reset()
+        if self.choose_base is None:
+            return self.base.prefill(ids, cache)
+        # No profile: the prefill itself keeps the hidden states calibration scores, so
+        # choosing a draft costs only a few head evaluations, not a second pass.
+        from selfspec.speedup import prefill_capturing
+
+        logits, captured = prefill_capturing(self.rt, ids, cache, self.capture_exits)
+        self.base = self.choose_base(ids.tolist(), captured)
+        self.base.start(cache)
+        return logits
+
+    def _reset(self) -> None:
+        self.A, self.R = self.prior
+        self.wait, self.backoff = 0, self.BASE_BACKOFF
+        self.scale_ar = self.scale_spec = 1.0  # observed / modelled step time
+        self.decisions = []
+        self._clock = time.perf_counter
+
+    def predicted(self, k: int) -> float:
+        """Predicted speedup of drafting k tokens this step."""
+        c, cfg = self.costs, self.base.cfg
+        alpha = self.A / (self.A + self.R)
+        spec = k * c.draft_token(cfg) + c.verify_step(cfg, k, exit_cached=False)
+        return expected_tokens(alpha, k) * c.ar_step * self.scale_ar / (spec * self.scale_spec)
+
+    def _plan(self, limit: int) -> int:
+        if limit <= 0:
+            return 0
+        best = max(range(1, min(self.K, limit) + 1), key=self.predicted)
+        if self.predicted(best) >= 1.0:
+            return best
+        if self.wait > 0:
+            self.wait -= 1
+            return 0
+        return 1  # probe
+
+    def draft(self, step):
+        k = self._plan(step.k)
+        self._k, self._t0 = k, self._clock()
+        return self.base.draft(replace(step, k=k))  # k = 0 still resets the base's per-step state
+
+    def verify(self, step, draft):
+        return self.base.verify(step, draft)
+
+    def accepted(self, step, draft, n):
+        self.base.accepted(step, draft, n)
+        c, cfg, d = self.costs, self.base.cfg, len(draft.tokens)
+        elapsed = self._clock() - self._t0
+        self.decisions.append(self._k)
+        # Observed/modelled time corrects the cost model online. Greedy only: when sampling,
+        # the choice of k decides how the RNG is consumed, and a seed must reproduce the
+        # output, so decisions there depend on acceptance and the (per-model) costs alone.
+        timing = self.timing and step.sampling.greedy
+        if self._k == 0 or d == 0:  # a plain decoding step (or a draft that came back empty)
+            if timing:
+                self.scale_ar = 0.8 * self.scale_ar + 0.2 * elapsed / c.ar_step
+            return
+        if timing:
+            modelled = d * c.draft_token(cfg) + c.verify_step(cfg, d, exit_cached=False)
+            self.scale_spec = 0.8 * self.scale_spec + 0.2 * elapsed / modelled
+        self.A = self.DECAY * self.A + n
+        self.R = self.DECAY * self.R + (n < d)
+        best = max(range(1, self.K + 1), key=self.predicted)
+        if self.predicted(best) >= 1.0:
+            self.backoff = self.BASE_BACKOFF
+        else:  # this step (a probe, or drafting that stopped paying): back off
+            self.wait = self.backoff
+            self.backoff = min(2 * self.backoff, self.MAX_BACKOFF)
+
+
+def make_drafter(runtime: Runtime, cfg: DraftConfig, eos_ids=(), draft_runtime: Runtime | None = None,
+                 adapter=None) -> Drafter:
+    """The drafter for cfg (auto is built by SelfSpecModel, which owns profiles and costs)."""
     cfg.check_model(runtime.num_layers, runtime.spec.vocab_size)
+    if cfg.strategy == "auto":
+        raise SelfSpecError("the auto strategy is built by SelfSpecModel.drafter (it needs the model's profile and costs)")
+    if cfg.strategy == "exit-adapter":
+        return ExitAdapterDrafter(runtime, cfg, eos_ids, adapter)
     cls = {
         "autoregressive": Drafter,
         "early-exit": EarlyExitDrafter,

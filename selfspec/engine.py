@@ -174,8 +174,6 @@ def generate(
     clock = time.perf_counter
     t_start = clock()
     stats = GenerationStats(prompt_tokens=len(prompt_ids))
-    K = drafter.cfg.num_speculations if drafter.cfg.speculative else 0
-    stats.per_position_drafted, stats.per_position_accepted = [0] * K, [0] * K
     rng = make_rng(sampling.seed, runtime.device)
     # One capacity for every strategy (prompt + budget + the largest draft): identical
     # attention shapes are part of what keeps speculative output bit-identical.
@@ -188,6 +186,8 @@ def generate(
     with torch.inference_mode():
         ids = torch.tensor(prompt_ids, device=runtime.device)
         first = pick(drafter.prefill(ids, cache))
+        K = drafter.max_draft  # after prefill: auto picks its base draft there
+        stats.per_position_drafted, stats.per_position_accepted = [0] * K, [0] * K
         stats.time_prefill_s = clock() - t_start
         stats.time_to_first_token_s = stats.time_prefill_s
         tokens = list(prompt_ids) + [first]

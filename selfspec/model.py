@@ -83,6 +83,7 @@ class SelfSpecModel:
         self._drafters: dict[DraftConfig, Drafter] = {}
         self._draft_models: dict[str, Runtime] = {}
         self._token_order: torch.Tensor | None = None
+        self._costs: dict = {}
 
     @property
     def context_length(self) -> int:
@@ -125,19 +126,102 @@ class SelfSpecModel:
             if prof.model_fingerprint != self.fingerprint:
                 raise SelfSpecError("the profile was made for another model")
             base = prof.draft.to_dict()
+            if strategy == "auto" and prof.draft.strategy != "auto":  # auto gates the profile's draft
+                base = {"strategy": "auto", "base": base}
         if strategy is not None:
             base["strategy"] = strategy
         base.update({k: v for k, v in options.items() if v is not None})
         return DraftConfig.from_dict(base)
 
     def drafter(self, cfg: DraftConfig) -> Drafter:
-        if cfg not in self._drafters:
-            draft_rt = self._draft_runtime(cfg.draft_model) if cfg.strategy == "draft-model" else None
-            d = make_drafter(self.runtime, cfg, self.eos_token_ids, draft_rt)
-            if cfg.draft_vocab is not None:
-                d.set_draft_vocab(self.draft_vocabulary(cfg.draft_vocab))
-            self._drafters[cfg] = d
-        return self._drafters[cfg]
+        key = cfg
+        if key not in self._drafters:
+            if cfg.strategy == "auto":
+                d = self._auto_drafter(cfg)
+            else:
+                draft_rt = self._draft_runtime(cfg.draft_model) if cfg.strategy == "draft-model" else None
+                adapter = self._adapter(cfg) if cfg.strategy == "exit-adapter" else None
+                if adapter is not None and cfg.exit_layer is None:
+                    cfg = cfg.replace(exit_layer=adapter.meta.exit_layer)
+                d = make_drafter(self.runtime, cfg, self.eos_token_ids, draft_rt, adapter)
+                if cfg.draft_vocab is not None:
+                    d.set_draft_vocab(self.draft_vocabulary(cfg.draft_vocab))
+            self._drafters[key] = d
+        return self._drafters[key]
+
+    def _adapter(self, cfg: DraftConfig):
+        from selfspec.adapter import load_adapter
+
+        adapter = load_adapter(cfg.adapter, self.runtime.device)
+        meta = adapter.meta
+        if meta.model_fingerprint and meta.model_fingerprint != self.fingerprint:
+            raise SelfSpecError(f"the exit adapter {cfg.adapter} was trained for another model (fingerprint {meta.model_fingerprint}, this model is {self.fingerprint})")
+        if meta.hidden_size != self.spec.hidden_size:
+            raise SelfSpecError(f"the exit adapter {cfg.adapter} has hidden size {meta.hidden_size}; this model's is {self.spec.hidden_size}")
+        if cfg.exit_layer is not None and cfg.exit_layer != meta.exit_layer:
+            raise SelfSpecError(f"the exit adapter {cfg.adapter} was trained for exit layer {meta.exit_layer}, not {cfg.exit_layer}")
+        return adapter
+
+    def cost_model(self, draft_vocabs: tuple[int, ...] = ()):
+        """Measured primitive costs of this model's runtime (speedup.py), cached per model."""
+        from selfspec.speedup import CostModel
+
+        key = tuple(sorted(set(draft_vocabs)))
+        if key not in self._costs:
+            from selfspec.speedup import load_costs, save_costs
+
+            ident = self._cost_identity(key)
+            costs = load_costs(ident)
+            if costs is None:
+                heads = {n: self.runtime.prepare_weight(self.runtime.head_columns(self.draft_vocabulary(n)).contiguous()) for n in key}
+                costs = CostModel.measure(self.runtime, heads)
+                save_costs(ident, costs)
+            self._costs[key] = costs
+        return self._costs[key]
+
+    def _cost_identity(self, vocabs: tuple[int, ...]) -> dict:
+        """What measured costs depend on. They are kept on disk under this key, so auto's
+        decisions (and with them how sampling consumes the RNG) are the same on every load
+        on this machine: a seed reproduces its output."""
+        import platform
+
+        rt = self.runtime
+        return {"model": self.fingerprint, "dtype": str(rt.dtype), "device": str(rt.device), "kernels": rt.uses_kernels,
+                "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),
+                "cpu": platform.processor(), "draft_vocabs": list(vocabs)}
+
+    def _auto_drafter(self, cfg: DraftConfig) -> Drafter:
+        """auto gates cfg.base, else the model's installed profile, else a draft chosen per
+        prompt by calibration (speedup.calibrate)."""
+        from selfspec.drafters import AutoDrafter
+        from selfspec.profiles import installed_profile
+
+        base_cfg = cfg.base
+        if base_cfg is None:
+            prof = installed_profile(self.fingerprint)
+            if prof is not None:
+                base_cfg = prof.draft.base if prof.draft.strategy == "auto" else prof.draft
+        if base_cfg is not None:
+            base = self.drafter(base_cfg)
+            costs = self.cost_model((base.cfg.draft_vocab,) if base.cfg.draft_vocab else ())
+            return AutoDrafter(self.runtime, cfg, self.eos_token_ids, base=base, costs=costs)
+        from selfspec.speedup import AUTO_DRAFT_VOCAB, calibrate, calibration_exits
+
+        n = cfg.draft_vocab
+        if n is None and self.spec.vocab_size > 2 * AUTO_DRAFT_VOCAB and (self.tokenizer is not None or self._token_order is not None):
+            n = AUTO_DRAFT_VOCAB  # FR-Spec: on a big vocabulary the full draft head would dominate
+        costs = self.cost_model((n,) if n else ())
+        head = vocab = None
+        if n:
+            vocab = self.draft_vocabulary(n)
+            head = self.runtime.prepare_weight(self.runtime.head_columns(vocab).contiguous())
+
+        def choose_base(ids: list[int], captured: dict) -> Drafter:
+            chosen, _ = calibrate(self.runtime, ids, costs, cfg, captured, head, vocab, n)
+            return self.drafter(chosen)
+
+        return AutoDrafter(self.runtime, cfg, self.eos_token_ids, costs=costs, choose_base=choose_base,
+                           capture_exits=calibration_exits(self.spec.num_layers))
 
     def draft_vocabulary(self, n: int) -> torch.Tensor:
         """The n most frequent token ids (see draft_vocab.py), sorted by id."""

@@ -70,8 +70,41 @@ def load_profile(path: str | os.PathLike, fingerprint: str | None = None) -> Pro
         raise SelfSpecError(
             f"profile {path} was made for another model (fingerprint {d.get('model_fingerprint')}, this model is {fingerprint})"
         )
+    draft_d = dict(d["draft"])
+    for cfg_d in (draft_d, draft_d.get("base") or {}):
+        if cfg_d.get("adapter") and not Path(cfg_d["adapter"]).is_absolute():
+            cfg_d["adapter"] = str((Path(path).parent / cfg_d["adapter"]).resolve())
     try:
-        draft = DraftConfig.from_dict(d["draft"])
+        draft = DraftConfig.from_dict(draft_d)
     except TypeError as e:
         raise SelfSpecError(f"bad draft options in {path}: {e}") from e
     return Profile(draft, d.get("model_fingerprint", ""), d.get("model_name", ""), d.get("metrics", {}))
+
+
+PACKAGED = Path(__file__).parent / "data" / "profiles"  # searched profiles shipped with selfspec
+
+
+def user_profile_dir() -> Path:
+    from selfspec.loading import cache_root
+
+    return cache_root() / "profiles"
+
+
+def installed_profile(fingerprint: str) -> Profile | None:
+    """The profile `auto` uses for a model: the user's (selfspec search --install) first,
+    then one shipped in the package; None when neither matches the fingerprint."""
+    for d in (user_profile_dir(), PACKAGED):
+        for path in sorted(d.glob("*.json")) if d.is_dir() else ():
+            try:
+                prof = load_profile(path)
+            except SelfSpecError:
+                continue
+            if prof.model_fingerprint == fingerprint:
+                return prof
+    return None
+
+
+def install_profile(profile: Profile) -> Path:
+    path = user_profile_dir() / f"{profile.model_fingerprint}.json"
+    save_profile(profile, path)
+    return path

@@ -78,7 +78,7 @@ def _cfg(kw: dict, draft_model_dir: str) -> dict:
 
 def _ar(model, prompt, n=N_NEW, eos_ids=(), tokenizer=None, gen=None):
     rt = model.runtime
-    return generate(rt, make_drafter(rt, DraftConfig(), eos_ids), prompt, gen or GenerationConfig(n), GREEDY,
+    return generate(rt, make_drafter(rt, DraftConfig("autoregressive"), eos_ids), prompt, gen or GenerationConfig(n), GREEDY,
                     tokenizer, eos_ids)
 
 
@@ -119,7 +119,7 @@ def test_greedy_strategies_equal_autoregressive(zoo, draft_model_dir, arch, name
 
 def test_autoregressive_stats(zoo):
     _, model = zoo.get("llama")
-    out = model.generate(prompts(n=1)[0], max_new_tokens=12)
+    out = model.generate(prompts(n=1)[0], max_new_tokens=12, strategy="autoregressive")
     s = out.stats
     assert (s.drafted, s.accepted, s.verify_steps, s.new_tokens) == (0, 0, 11, 12)
     assert s.per_position_drafted == [] and s.mean_accepted_length == 1.0
@@ -371,7 +371,7 @@ def test_eos_as_first_token(zoo):
     rt = model.runtime
     prompt = prompts(n=1)[0]
     first = _ar(model, prompt, 1).token_ids[0]
-    for kw in (dict(), dict(strategy="early-exit", exit_layer=2), dict(strategy="prompt-lookup")):
+    for kw in (dict(strategy="autoregressive"), dict(strategy="early-exit", exit_layer=2), dict(strategy="prompt-lookup")):
         res = generate(rt, make_drafter(rt, DraftConfig(**kw), (first,)), prompt, GenerationConfig(20), GREEDY,
                        eos_ids=(first,))
         assert res.token_ids == [first] and res.finish_reason == "eos"

@@ -277,7 +277,7 @@ def _exact(hf, prompt, sampling: SamplingConfig, n: int = 4) -> np.ndarray:
 
 
 E2E = [
-    ("autoregressive", "llama", dict(), dict(temperature=1.0)),
+    ("autoregressive", "llama", dict(strategy="autoregressive"), dict(temperature=1.0)),
     ("early-exit", "llama", dict(strategy="early-exit", exit_layer=2, num_speculations=2), dict(temperature=1.0)),
     ("layer-skip", "gemma3", dict(strategy="layer-skip", skip_mlp=(1, 2), num_speculations=3), dict(temperature=1.0)),
     ("early-exit-topk", "gemma3", dict(strategy="early-exit", exit_layer=1, num_speculations=3), dict(temperature=1.0, top_k=4)),
@@ -319,7 +319,8 @@ def test_speculative_sampling_matches_autoregressive_distribution(small, name, a
 
 
 REPRO = [
-    dict(),
+    dict(strategy="autoregressive"),
+    dict(),  # the default, auto: its decisions must not depend on timing when sampling
     dict(strategy="early-exit", exit_layer=2, num_speculations=3),
     dict(strategy="layer-skip", skip_mlp=[1], num_speculations=5),
     dict(strategy="prompt-lookup"),
@@ -328,7 +329,7 @@ REPRO = [
 ]
 
 
-@pytest.mark.parametrize("kw", REPRO, ids=["ar", "ee", "ls", "pl", "threshold", "adaptive"])
+@pytest.mark.parametrize("kw", REPRO, ids=["ar", "auto", "ee", "ls", "pl", "threshold", "adaptive"])
 def test_same_seed_same_output(kw):
     """Same seed -> same tokens, on repeated calls of one model and on a fresh load."""
     hf = build_hf("qwen3", seed=0)

@@ -767,7 +767,7 @@ def _stop_holdback(text: str, stops: tuple[str, ...]) -> int:
 
 def create_app(model, draft_config: DraftConfig | None = None, settings: ServerSettings | None = None):
     """A FastAPI app serving `model` (a loaded SelfSpecModel) with `draft_config` as the
-    default draft configuration (None: autoregressive)."""
+    default draft configuration (None: auto)."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse

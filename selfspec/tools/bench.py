@@ -555,7 +555,7 @@ def run_bench(
 ) -> dict:
     """Run the bench; the results dict (also written to `out` after every prompt, atomically).
     Ctrl-C stops after writing the prompts that finished (results["interrupted"] = True)."""
-    baseline = DraftConfig()
+    baseline = DraftConfig("autoregressive")
     model.drafter(draft)  # validate against the model before any timing
     results = {
         "format": FORMAT,

@@ -107,7 +107,7 @@ def run_correctness(
     try:
         with ProgressBar(len(dataset.samples), "correctness", progress) as bar:
             for i, sample in enumerate(dataset.samples):
-                base = measured_generate(model, sample.prompt, DraftConfig(), settings, 0)
+                base = measured_generate(model, sample.prompt, DraftConfig("autoregressive"), settings, 0)
                 strat = measured_generate(model, sample.prompt, draft, settings, 0)
                 results["samples"].append(compare(model, sample, base, strat))
                 save()

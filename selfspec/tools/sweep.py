@@ -206,7 +206,7 @@ def run_sweep(
     grid = {(row, K): row_draft(strategy, row, K, L, skip_kind, extra) for row in rows for K in ks}
     for cfg in grid.values():
         cfg.check_model(L, model.spec.vocab_size)  # every cell is valid before anything runs
-    baseline = DraftConfig()
+    baseline = DraftConfig("autoregressive")
     out_dir = Path(out_dir) if out_dir is not None else None
     n = len(dataset.samples)
     results = {

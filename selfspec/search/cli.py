@@ -1,0 +1,152 @@
+"""`selfspec search`: find the best draft configuration for a model (see selfspec/search)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from selfspec.cli import add_config_args, add_model_args, config_kwargs, load_model
+from selfspec.errors import SelfSpecError
+
+INTERRUPTED = 130
+_AUTO_FLAGS = ("thresholds", "confirm", "workers", "storage")  # flags written by hand below
+
+
+def register(sub) -> None:
+    from selfspec.search import SearchConfig
+
+    p = sub.add_parser("search", help="Bayesian search (Optuna) of exit layer / skip sets / K / draft vocabulary; writes a profile",
+                       description="Searches draft configurations by predicted speedup (or measured tokens/s), confirms the "
+                                   "winner by measurement and writes a draft profile plus an optimisation-history plot.")
+    add_model_args(p)
+    add_config_args(p, SearchConfig, skip=_AUTO_FLAGS)
+    p.add_argument("--storage", default=None, help="Optuna storage URL, e.g. sqlite:///study.db (default: OUT_DIR/study.db); "
+                                                   "several processes or machines may share one study")
+    p.add_argument("--workers", type=int, default=1, help="local worker processes on the same study (default: 1)")
+    p.add_argument("--no-thresholds", action="store_true", help="search fixed draft lengths only")
+    p.add_argument("--no-confirm", action="store_true", help="skip measuring the winner against plain decoding")
+    p.add_argument("--out-dir", default="search-results", help="profile.json, history.png, search.json (default: search-results)")
+    p.add_argument("--install", action="store_true", help="also install the profile for this model: --strategy auto uses it")
+    p.add_argument("--worker-index", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--worker-only", action="store_true", help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_search)
+
+
+def _config(args):
+    from selfspec.search import SearchConfig
+
+    kw = config_kwargs(args, SearchConfig)
+    kw.update(thresholds=not args.no_thresholds, confirm=not args.no_confirm, workers=args.workers, storage=args.storage)
+    return SearchConfig(**kw)
+
+
+def _writable_dir(path: str) -> Path:
+    d = Path(path)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        probe = d / ".selfspec-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise SelfSpecError(f"cannot write to the output directory {d}: {e.strerror or e}") from e
+    return d
+
+
+def _worker_command(args, cfg, storage: str, study_name: str, index: int) -> list[str]:
+    cmd = [sys.executable, "-m", "selfspec", "search", "--model", args.model, "--storage", storage,
+           "--study-name", study_name, "--worker-index", str(index), "--worker-only", "--no-confirm",
+           "--out-dir", args.out_dir, "--strategies", ",".join(cfg.strategies), "--n-trials", str(cfg.n_trials),
+           "--objective", cfg.objective, "--dataset", cfg.dataset, "--num-samples", str(cfg.num_samples),
+           "--max-new-tokens", str(cfg.max_new_tokens), "--draft-vocabs", ",".join(map(str, cfg.draft_vocabs)) or "full",
+           "--seed", str(cfg.seed)]
+    if args.dtype:
+        cmd += ["--dtype", args.dtype]
+    if args.device:
+        cmd += ["--device", args.device]
+    if cfg.adapter:
+        cmd += ["--adapter", cfg.adapter]
+    if not cfg.thresholds:
+        cmd.append("--no-thresholds")
+    return cmd
+
+
+def cmd_search(args) -> int:
+    from rich.console import Console
+
+    from selfspec import search as S
+    from selfspec.profiles import Profile, atomic_write_text, install_profile, save_profile
+
+    cfg = _config(args)
+    out_dir = _writable_dir(args.out_dir)
+    storage = cfg.storage or S.default_storage(out_dir)
+    S.open_study(cfg, storage, cfg.study_name or "selfspec-probe")  # an unreachable storage fails before the model loads
+    prompts = S.calibration_prompts(cfg)
+    model = load_model(args)
+    study_name = cfg.study_name or f"selfspec-{model.fingerprint}"
+    console = Console(stderr=True)
+    log = (lambda msg: console.print(f"[dim][worker {args.worker_index}][/dim] {msg}", highlight=False))
+
+    start = time.time()
+    workers: list[subprocess.Popen] = []
+    if cfg.workers > 1 and not args.worker_only:
+        for i in range(1, cfg.workers):
+            workers.append(subprocess.Popen(_worker_command(args, cfg, storage, study_name, i)))
+        log(f"started {len(workers)} more worker process(es) on {storage}")
+
+    log(f"calibrating: greedy continuations of {len(prompts)} prompts, primitive costs")
+    cal = S.Calibration(model, prompts, cfg.max_new_tokens)
+    vocabs = tuple(v for v in cfg.draft_vocabs if v < model.spec.vocab_size)
+    costs = model.cost_model(vocabs)
+    interrupted = False
+    try:
+        study = S.run_worker(model, cfg, storage, study_name, cal, costs, log=log, worker=args.worker_index,
+                             wait_for=len(workers) + 1, start=start,
+                             alive=lambda: all(w.poll() is None for w in workers))
+    except KeyboardInterrupt:
+        interrupted = True
+        study = S.open_study(cfg, storage, study_name, args.worker_index)
+    finally:
+        for w in workers:
+            if interrupted:
+                w.terminate()
+            w.wait()
+    bad = [w.returncode for w in workers if w.returncode not in (0, None) and not interrupted]
+    if bad:
+        raise SelfSpecError(f"a worker process failed (exit status {bad[0]}); finished trials are kept in {storage}")
+    if args.worker_only:
+        return INTERRUPTED if interrupted else 0
+
+    best, metrics = S.best_of(study)
+    if cfg.confirm and not interrupted:
+        log(f"confirming the winner by measurement: {S._label(best)}")
+        metrics.update(S.measure(model, best, prompts, cfg.max_new_tokens))
+        if not metrics["identical_to_autoregressive"]:
+            raise SelfSpecError("the winner's output differs from plain decoding: please report this bug")
+    metrics.update(costs=costs.to_dict(), storage=storage, study_name=study_name, n_trials=len(S.trial_rows(study)),
+                   calibration={"dataset": cfg.dataset, "num_samples": cfg.num_samples, "max_new_tokens": cfg.max_new_tokens})
+    profile = Profile(best, model.fingerprint, model.name, S.json_safe(metrics))
+    save_profile(profile, out_dir / "profile.json")
+    S.plot_history(study, out_dir / "history.png", f"draft search: {model.name or args.model}")
+    summary = S.json_safe({"best": best.to_dict(), "metrics": metrics, "best_per_strategy": S.summary(study),
+                           "trials": S.trial_rows(study), "interrupted": interrupted})
+    atomic_write_text(out_dir / "search.json", json.dumps(summary, indent=2) + "\n")
+    if args.install:
+        log(f"installed for --strategy auto: {install_profile(profile)}")
+
+    from rich.table import Table
+
+    t = Table(title=f"best per strategy ({metrics['n_trials']} trials, objective {cfg.objective})")
+    for col in ("strategy", "configuration", "speedup", "acceptance", "c"):
+        t.add_column(col)
+    for strat, r in sorted(summary["best_per_strategy"].items(), key=lambda kv: -kv[1]["value"]):
+        t.add_row(strat, r["label"], f"{r['value']:.3f}", f"{(r['acceptance_rate'] or 0):.0%}", f"{(r['c'] or 0):.2f}")
+    Console().print(t)
+    if "measured_speedup" in metrics:
+        print(f"winner {S._label(best)}: predicted {metrics.get('predicted_speedup', 0):.3f}x, measured "
+              f"{metrics['measured_speedup']:.3f}x, identical output: {metrics['identical_to_autoregressive']}")
+    print(f"wrote {out_dir / 'profile.json'}, {out_dir / 'history.png'}, {out_dir / 'search.json'}", file=sys.stderr)
+    return INTERRUPTED if interrupted else 0
