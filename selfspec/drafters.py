@@ -300,6 +300,9 @@ class DraftModelDrafter(Drafter):
         self.dpos = min(self.dpos, step.pos + 1 + n)
 
 
+NEAR_TIE = 0.03
+
+
 class AutoDrafter(Drafter):
     """Draft only while it pays. Wraps a base drafter (from the model's profile, or chosen
     by calibration) and before each step predicts, for every k <= K,
@@ -316,8 +319,9 @@ class AutoDrafter(Drafter):
 
     name = "auto"
     DECAY = 0.9  # per drafting step, on A and R: recent acceptance matters most
-    BASE_BACKOFF, MAX_BACKOFF = 4, 64
-    PRIOR = (1.0, 1.0)  # alpha starts at 0.5, worth two observations
+    BASE_BACKOFF, MAX_BACKOFF = 8, 128
+    PRIOR = (1.0, 1.0)  # without calibration, alpha starts at 0.5, worth two observations
+    PRIOR_WEIGHT = 4.0
 
     def __init__(self, runtime, cfg, eos_ids=(), base: Drafter | None = None, costs=None,
                  choose_base=None, capture_exits: tuple[int, ...] = (), prior: tuple[float, float] | None = None,
@@ -345,7 +349,9 @@ class AutoDrafter(Drafter):
         from selfspec.speedup import prefill_capturing
 
         logits, captured = prefill_capturing(self.rt, ids, cache, self.capture_exits)
-        self.base = self.choose_base(ids.tolist(), captured)
+        self.base, alpha = self.choose_base(ids.tolist(), captured)
+        if alpha is not None:  # calibration measured acceptance: start from it, worth PRIOR_WEIGHT steps
+            self.A, self.R = self.PRIOR_WEIGHT * alpha, self.PRIOR_WEIGHT * (1 - alpha)
         self.base.start(cache)
         return logits
 
@@ -363,10 +369,17 @@ class AutoDrafter(Drafter):
         spec = k * c.draft_token(cfg) + c.verify_step(cfg, k, exit_cached=False)
         return expected_tokens(alpha, k) * c.ar_step * self.scale_ar / (spec * self.scale_spec)
 
+    def _best_k(self, kmax: int) -> int:
+        """The longest k within NEAR_TIE of the best prediction: fixed per-step costs the
+        model leaves out (the engine's bookkeeping) favour fewer, longer steps."""
+        preds = [self.predicted(k) for k in range(1, kmax + 1)]
+        top = max(preds)
+        return max(k for k, p in enumerate(preds, 1) if p >= top * (1 - NEAR_TIE))
+
     def _plan(self, limit: int) -> int:
         if limit <= 0:
             return 0
-        best = max(range(1, min(self.K, limit) + 1), key=self.predicted)
+        best = self._best_k(min(self.K, limit))
         if self.predicted(best) >= 1.0:
             return best
         if self.wait > 0:
@@ -400,8 +413,7 @@ class AutoDrafter(Drafter):
             self.scale_spec = 0.8 * self.scale_spec + 0.2 * elapsed / modelled
         self.A = self.DECAY * self.A + n
         self.R = self.DECAY * self.R + (n < d)
-        best = max(range(1, self.K + 1), key=self.predicted)
-        if self.predicted(best) >= 1.0:
+        if self.predicted(self._best_k(self.K)) >= 1.0:
             self.backoff = self.BASE_BACKOFF
         else:  # this step (a probe, or drafting that stopped paying): back off
             self.wait = self.backoff

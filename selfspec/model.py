@@ -216,9 +216,10 @@ class SelfSpecModel:
             vocab = self.draft_vocabulary(n)
             head = self.runtime.prepare_weight(self.runtime.head_columns(vocab).contiguous())
 
-        def choose_base(ids: list[int], captured: dict) -> Drafter:
-            chosen, _ = calibrate(self.runtime, ids, costs, cfg, captured, head, vocab, n)
-            return self.drafter(chosen)
+        def choose_base(ids: list[int], captured: dict) -> tuple[Drafter, float | None]:
+            chosen, pred = calibrate(self.runtime, ids, costs, cfg, captured, head, vocab, n)
+            alpha = None if pred is None or not pred.drafted else pred.acceptance_rate
+            return self.drafter(chosen), alpha
 
         return AutoDrafter(self.runtime, cfg, self.eos_token_ids, costs=costs, choose_base=choose_base,
                            capture_exits=calibration_exits(self.spec.num_layers))

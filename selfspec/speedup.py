@@ -53,7 +53,7 @@ class CostModel:
     head: dict[int, float]  # final norm + full LM head
     draft_heads: dict[int, float] = field(default_factory=dict)  # draft vocab N -> 1-row restricted head
     embed: float = 0.0
-    step_overhead: float = 0.0  # engine bookkeeping per verify step (acceptance, commit)
+    step_overhead: float = 0.0  # per forward call beyond its parts (masks, Python), measured
 
     @classmethod
     def measure(cls, runtime, draft_vocabs: dict[int, object] | None = None, repeats: int = 5, layers: int = 3) -> "CostModel":
@@ -91,12 +91,16 @@ class CostModel:
             drafts = {n: timed(lambda w=w: runtime.logits(h1, head=w)) for n, w in (draft_vocabs or {}).items()}
             ids = torch.tensor([1], device=runtime.device)
             embed = timed(lambda: runtime.embed(ids))
+            # What a whole call costs beyond its parts (masks, Python per call): every
+            # draft token and every verify pass is one such call.
+            forward = timed(lambda: runtime.forward(ids, 100, cache))
         # More rows never cost less; timing noise (and CPU row padding: 1 row runs as 2)
         # must not make a longer verify look cheaper.
         for table in (attn, mlp, head):
             for a, b in zip(ROWS, ROWS[1:]):
                 table[b] = max(table[b], table[a])
-        return cls(L, attn, mlp, head, drafts, embed)
+        overhead = max(0.0, forward - (embed + L * (attn[1] + mlp[1]) + head[1]))
+        return cls(L, attn, mlp, head, drafts, embed, overhead)
 
     # -- composite costs ------------------------------------------------------------------
 
@@ -119,11 +123,12 @@ class CostModel:
     def draft_token(self, cfg: DraftConfig, adapter_cost: float = 0.0) -> float:
         """Seconds to draft one token with cfg."""
         if cfg.strategy in ("early-exit", "exit-adapter"):
-            return self.embed + self.layers(cfg.exit_layer) + self.draft_head(cfg.draft_vocab) + adapter_cost
+            return self.embed + self.layers(cfg.exit_layer) + self.draft_head(cfg.draft_vocab) + adapter_cost + self.step_overhead
         if cfg.strategy == "layer-skip":
             n_attn = self.num_layers - len(cfg.skip_attn)
             n_mlp = self.num_layers - len(cfg.skip_mlp)
-            return self.embed + n_attn * _interp(self.attn, 1) + n_mlp * _interp(self.mlp, 1) + self.draft_head(cfg.draft_vocab)
+            return (self.embed + n_attn * _interp(self.attn, 1) + n_mlp * _interp(self.mlp, 1) + self.draft_head(cfg.draft_vocab)
+                    + self.step_overhead)
         return 0.0  # prompt-lookup: a list scan, negligible next to a forward pass
 
     def verify_step(self, cfg: DraftConfig, drafted: int, exit_cached: bool) -> float:
@@ -141,7 +146,7 @@ class CostModel:
         return {
             "num_layers": self.num_layers,
             "attn_s": self.attn, "mlp_s": self.mlp, "head_s": self.head,
-            "draft_heads_s": self.draft_heads, "embed_s": self.embed,
+            "draft_heads_s": self.draft_heads, "embed_s": self.embed, "call_overhead_s": self.step_overhead,
             "ar_step_s": self.ar_step,
         }
 
@@ -166,7 +171,7 @@ def load_costs(identity: dict) -> CostModel | None:
             return None
         table = lambda t: {int(k): float(v) for k, v in t.items()}  # noqa: E731
         return CostModel(int(d["num_layers"]), table(d["attn"]), table(d["mlp"]), table(d["head"]),
-                         table(d["draft_heads"]), float(d["embed"]))
+                         table(d["draft_heads"]), float(d["embed"]), float(d["step_overhead"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -177,7 +182,7 @@ def save_costs(identity: dict, costs: CostModel) -> None:
     from selfspec.profiles import atomic_write_text
 
     d = {"identity": identity, "num_layers": costs.num_layers, "attn": costs.attn, "mlp": costs.mlp, "head": costs.head,
-         "draft_heads": costs.draft_heads, "embed": costs.embed}
+         "draft_heads": costs.draft_heads, "embed": costs.embed, "step_overhead": costs.step_overhead}
     try:
         atomic_write_text(_costs_path(identity), json.dumps(d, indent=1) + "\n")
     except OSError:
@@ -344,6 +349,7 @@ def teacher_forced(runtime, ids: list[int], score_from: int = 0, exits=(), skip_
 CALIBRATION_POSITIONS = 32  # last prompt positions scored by auto's calibration
 CALIBRATION_EXITS = 8  # exit layers scored (evenly spaced)
 CALIBRATION_MAX_K = 8
+CALIBRATION_PROXY_TOP = 64  # full-vocabulary drafts are scored over the full model's top-64 per position
 AUTO_DRAFT_VOCAB = 16384  # auto's draft vocabulary on models with more than 2x this many tokens
 
 
@@ -378,13 +384,29 @@ def calibrate(runtime, ids: list[int], costs: CostModel, auto_cfg: DraftConfig, 
     if len(ids) < 8:
         return lookup, None
     best_cfg, best = lookup, simulate_lookup(lookup, ids, len(ids) // 2, costs)
-    target, _ = _argmax_conf(runtime, captured["final"])
+    final = runtime.logits(captured["final"])  # [P, V]: the full head only once
+    target = final.argmax(-1)
+    if head is None:
+        # Full-vocabulary drafting: score the exits over a proxy vocabulary, the union of
+        # the full model's top candidates at the scored positions (an early exit that
+        # agrees with the full model agrees on it too; a few chance agreements inside the
+        # subset can only flatter a draft, and the online estimate corrects that).
+        vocab = final.topk(min(CALIBRATION_PROXY_TOP, final.shape[-1]), dim=-1).indices.flatten().unique()
+        head = runtime.head_columns(vocab).contiguous()
+        head = runtime.prepare_weight(head)
+    target = target.cpu().numpy()
+    candidates: list[tuple[DraftConfig, Prediction]] = []
     for E in sorted(k for k in captured if k != "final"):
         tok, conf = _argmax_conf(runtime, captured[E], head, vocab)
         cal = Calibration(tok == target, conf)
         for k in range(1, CALIBRATION_MAX_K + 1):
             cfg = DraftConfig("early-exit", exit_layer=E, num_speculations=k, draft_vocab=draft_vocab)
-            pred = simulate(cfg, cal, costs)
-            if pred.speedup > best.speedup * 1.02:  # prefer the free lookup on near ties
-                best_cfg, best = cfg, pred
+            candidates.append((cfg, simulate(cfg, cal, costs)))
+    top_cfg, top = max(candidates, key=lambda c: c[1].speedup)
+    # Near ties go to the longer draft at the same exit: fixed per-step costs the model
+    # leaves out (the engine's bookkeeping) favour fewer, longer steps (AutoDrafter._best_k).
+    top_cfg, _ = max((c for c in candidates if c[0].exit_layer == top_cfg.exit_layer and c[1].speedup >= top.speedup * 0.97),
+                     key=lambda c: c[0].num_speculations)
+    if top.speedup > best.speedup * 1.02:  # near ties go to the free lookup
+        best_cfg, best = top_cfg, top
     return best_cfg, best

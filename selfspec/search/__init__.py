@@ -207,7 +207,10 @@ def _optuna():
 
 
 def open_study(cfg: SearchConfig, storage: str, study_name: str, worker: int = 0):
+    import warnings
+
     optuna = _optuna()
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # multivariate/group TPE
     try:
         return optuna.create_study(
             storage=storage, study_name=study_name, load_if_exists=True, direction="maximize",
