@@ -30,6 +30,7 @@ _HELP = {
     "draft_vocab": "draft over the N most frequent tokens only (verification uses all)",
     "max_ngram": "prompt-lookup: longest n-gram to match",
     "adapter": "exit-adapter: the trained adapter file (selfspec train --recipe exit-adapter)",
+    "lookup_first": "early-exit/layer-skip/exit-adapter: use a prompt-lookup match when there is one",
     "temperature": "0 = greedy; > 0 samples",
     "top_k": "sample from the k most likely tokens",
     "top_p": "nucleus sampling mass",

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 from selfspec.errors import SelfSpecError
 
 STRATEGIES = ("autoregressive", "early-exit", "layer-skip", "exit-adapter", "draft-model", "prompt-lookup", "auto")
+SELF_DRAFTING = ("early-exit", "layer-skip", "exit-adapter")
 MAX_SPECULATIONS = 16  # verify passes stay within the row counts where the CPU kernels are row-invariant
 
 
@@ -62,6 +63,7 @@ class DraftConfig:
     draft_vocab: int | None = None  # draft logits over the N most frequent tokens only
     max_ngram: int = 3  # prompt-lookup: longest n-gram to match
     adapter: str | None = None  # exit-adapter: path of the trained adapter (selfspec train --recipe exit-adapter)
+    lookup_first: bool = False  # self-drafting strategies: copy a prompt-lookup match when there is one
     base: DraftConfig | None = None  # auto: the draft it gates (None: the model's profile, else calibration)
 
     def __post_init__(self):
@@ -85,6 +87,8 @@ class DraftConfig:
             raise SelfSpecError("exit-adapter needs --adapter FILE (train one with: selfspec train --recipe exit-adapter)")
         if self.strategy == "layer-skip" and not (self.skip_attn or self.skip_mlp):
             raise SelfSpecError("layer-skip needs sub-layers to skip (--skip-attn / --skip-mlp or a profile)")
+        if self.lookup_first and self.strategy not in SELF_DRAFTING:
+            raise SelfSpecError(f"lookup_first combines prompt lookup with {', '.join(SELF_DRAFTING)}, not {self.strategy}")
         if self.base is not None:
             if isinstance(self.base, dict):
                 object.__setattr__(self, "base", DraftConfig.from_dict(self.base))

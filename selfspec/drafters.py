@@ -420,12 +420,45 @@ class AutoDrafter(Drafter):
             self.backoff = min(2 * self.backoff, self.MAX_BACKOFF)
 
 
+class LookupFirstDrafter(Drafter):
+    """Prompt lookup when the context has a match (free drafts), else the wrapped
+    self-drafter. A lookup draft is verified by a full forward pass, which writes the KV of
+    every layer, so the self-drafter's exit-query cache is never needed for it."""
+
+    def __init__(self, inner: Drafter):
+        super().__init__(inner.rt, inner.cfg, tuple(inner.eos_ids))
+        self.inner = inner
+        self.lookup = PromptLookupDrafter(inner.rt, inner.cfg, tuple(inner.eos_ids))
+        self.name = f"{inner.name}+lookup"
+        self._from_lookup = False
+
+    def start(self, cache):
+        self.inner.start(cache)
+
+    def set_draft_vocab(self, vocab):
+        self.inner.set_draft_vocab(vocab)
+
+    def draft(self, step):
+        d = self.lookup.draft(step) if step.k > 0 else Draft()
+        self._from_lookup = bool(d.tokens)
+        return d if d.tokens else self.inner.draft(step)
+
+    def verify(self, step, draft):
+        return Drafter.verify(self, step, draft) if self._from_lookup else self.inner.verify(step, draft)
+
+    def accepted(self, step, draft, n):
+        if not self._from_lookup:  # the adaptive threshold follows the self-drafter's own drafts
+            self.inner.accepted(step, draft, n)
+
+
 def make_drafter(runtime: Runtime, cfg: DraftConfig, eos_ids=(), draft_runtime: Runtime | None = None,
                  adapter=None) -> Drafter:
     """The drafter for cfg (auto is built by SelfSpecModel, which owns profiles and costs)."""
     cfg.check_model(runtime.num_layers, runtime.spec.vocab_size)
     if cfg.strategy == "auto":
         raise SelfSpecError("the auto strategy is built by SelfSpecModel.drafter (it needs the model's profile and costs)")
+    if cfg.lookup_first:
+        return LookupFirstDrafter(make_drafter(runtime, cfg.replace(lookup_first=False), eos_ids, draft_runtime, adapter))
     if cfg.strategy == "exit-adapter":
         return ExitAdapterDrafter(runtime, cfg, eos_ids, adapter)
     cls = {

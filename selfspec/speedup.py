@@ -234,14 +234,19 @@ class Prediction:
         }
 
 
-def simulate(cfg: DraftConfig, cal: Calibration, costs: CostModel, adapter_cost: float = 0.0) -> Prediction:
+def simulate(cfg: DraftConfig, cal: Calibration, costs: CostModel, adapter_cost: float = 0.0,
+             tokens: list[int] | None = None, start: int = 0) -> Prediction:
     """Walk greedy speculative decoding over a teacher-forced sequence (see module doc).
 
     Position t of `cal` is a pending token whose successor is the target's token t+1; a
     step at pending position p drafts from p, p+1, ... (draft j is right iff match[p+j])
     while j < k and, with a threshold, the draft's confidence is high enough; it accepts
     the leading matches and commits accepted + 1 tokens, like the engine (k is capped so
-    a step never commits past the end)."""
+    a step never commits past the end). With cfg.lookup_first, `tokens` is the whole
+    sequence and position t of `cal` is tokens[start + t]: a prompt-lookup match, when there
+    is one, is drafted instead and verified by a full pass."""
+    from selfspec.drafters import lookup_continuation
+
     T, K = len(cal.match), cfg.num_speculations
     gamma = cfg.draft_threshold
     t_draft = costs.draft_token(cfg, adapter_cost)
@@ -249,6 +254,20 @@ def simulate(cfg: DraftConfig, cal: Calibration, costs: CostModel, adapter_cost:
     p = 0
     while p < T:
         k = min(K, T - p - 1)
+        if cfg.lookup_first and k > 0:
+            q = start + p  # absolute index of the pending token
+            draft = lookup_continuation(tokens[: q + 1], cfg.max_ngram, k)
+            if draft:
+                n = 0
+                while n < len(draft) and draft[n] == tokens[q + 1 + n]:
+                    n += 1
+                out.time_s += costs.verify(len(draft) + 1)
+                out.steps += 1
+                out.drafted += len(draft)
+                out.accepted += n
+                out.tokens += n + 1
+                p += n + 1
+                continue
         drafted, stopped = 0, False
         while drafted < k:
             if gamma is not None and cal.conf[p + drafted] < gamma:
@@ -400,12 +419,15 @@ def calibrate(runtime, ids: list[int], costs: CostModel, auto_cfg: DraftConfig, 
         tok, conf = _argmax_conf(runtime, captured[E], head, vocab)
         cal = Calibration(tok == target, conf)
         for k in range(1, CALIBRATION_MAX_K + 1):
-            cfg = DraftConfig("early-exit", exit_layer=E, num_speculations=k, draft_vocab=draft_vocab)
-            candidates.append((cfg, simulate(cfg, cal, costs)))
+            for lookup_first in (False, True):
+                cfg = DraftConfig("early-exit", exit_layer=E, num_speculations=k, draft_vocab=draft_vocab,
+                                  lookup_first=lookup_first, max_ngram=auto_cfg.max_ngram)
+                candidates.append((cfg, simulate(cfg, cal, costs, tokens=ids, start=len(ids) - len(cal.match))))
     top_cfg, top = max(candidates, key=lambda c: c[1].speedup)
     # Near ties go to the longer draft at the same exit: fixed per-step costs the model
     # leaves out (the engine's bookkeeping) favour fewer, longer steps (AutoDrafter._best_k).
-    top_cfg, _ = max((c for c in candidates if c[0].exit_layer == top_cfg.exit_layer and c[1].speedup >= top.speedup * 0.97),
+    top_cfg, _ = max((c for c in candidates if c[0].exit_layer == top_cfg.exit_layer and c[0].lookup_first == top_cfg.lookup_first
+                      and c[1].speedup >= top.speedup * 0.97),
                      key=lambda c: c[0].num_speculations)
     if top.speedup > best.speedup * 1.02:  # near ties go to the free lookup
         best_cfg, best = top_cfg, top

@@ -409,3 +409,36 @@ def test_profile_for_another_model_is_refused(search_model_dir, tmp_path):
     save_profile(Profile(DraftConfig("prompt-lookup"), "0000000000000000"), prof)
     r = run_cli("generate", "a b", "--model", str(search_model_dir), "--profile", str(prof), "--strategy", "auto")
     assert_user_error(r, "another model")
+
+
+@pytest.mark.parametrize("cfg", [
+    DraftConfig("early-exit", exit_layer=2, num_speculations=4, lookup_first=True),
+    DraftConfig("early-exit", exit_layer=4, num_speculations=6, lookup_first=True, max_ngram=1),
+], ids=["E2", "E4-ngram1"])
+def test_lookup_first_prediction_replays_the_engine(tiny, calibration, cfg):
+    from selfspec.search import predict
+
+    cal, ps = calibration
+    pred = predict(cfg, cal, tiny.cost_model())
+    stats = [tiny.generate(p, max_new_tokens=N_NEW, draft=cfg).stats for p in ps]
+    real = (sum(s.new_tokens - 1 for s in stats), sum(s.verify_steps for s in stats),
+            sum(s.drafted for s in stats), sum(s.accepted for s in stats))
+    assert (pred.tokens, pred.steps, pred.drafted, pred.accepted) == real
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lookup_first_is_lossless(zoo, tmp_path, arch):
+    _, m = zoo.get(arch)
+    save_adapter(_adapter(m), tmp_path / "a.safetensors")
+    base = [7, 8, 9, 10, 7, 8, 9, 10, 7, 8, 9]
+    for p in (base, prompts(n=1, lengths=(9,))[0]):
+        ar = m.generate(p, max_new_tokens=N_NEW, strategy="autoregressive")
+        for kw in (dict(strategy="early-exit", exit_layer=2, num_speculations=5),
+                   dict(strategy="layer-skip", skip_mlp=(1,), num_speculations=3),
+                   dict(strategy="exit-adapter", adapter=str(tmp_path / "a.safetensors"), draft_threshold=0.2, adaptive=True)):
+            out = m.generate(p, max_new_tokens=N_NEW, lookup_first=True, **kw)
+            assert out.token_ids == ar.token_ids, kw
+            s = m.generate(p, max_new_tokens=N_NEW, lookup_first=True, temperature=0.9, seed=2, **kw)
+            assert s.token_ids == m.generate(p, max_new_tokens=N_NEW, lookup_first=True, temperature=0.9, seed=2, **kw).token_ids
+    with pytest.raises(SelfSpecError, match="lookup_first"):
+        DraftConfig("prompt-lookup", lookup_first=True)

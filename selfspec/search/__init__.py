@@ -8,6 +8,7 @@ Search space (define-by-run, so each strategy only samples its own parameters):
   skip_attn_i, skip_mlp_i   layer-skip: one yes/no per sub-layer (Draft & Verify)
   K or gamma     a fixed draft length 1..8, or a confidence threshold with K = 8
   draft_vocab    8k / 16k / 32k most frequent tokens, or the full vocabulary
+  lookup_first   self-drafting strategies: take a prompt-lookup match first when there is one
 
 Objective (the speed, never acceptance alone: skipping nothing accepts everything and is
 slower than plain decoding):
@@ -162,8 +163,8 @@ def predict(cfg: DraftConfig, cal: Calibration, costs: CostModel, adapter=None, 
         kind = ("adapter", cfg.exit_layer)
     else:
         kind = ("skip", cfg.skip_attn, cfg.skip_mlp)
-    for sig in cal.signals(kind, cfg.draft_vocab, adapter):
-        total = total.add(simulate(cfg, sig, costs, adapter_cost))
+    for s, sig in zip(cal.seqs, cal.signals(kind, cfg.draft_vocab, adapter)):
+        total = total.add(simulate(cfg, sig, costs, adapter_cost, tokens=s.ids, start=s.start))
     return total
 
 
@@ -235,7 +236,8 @@ def suggest(trial, cfg: SearchConfig, num_layers: int, vocab_size: int, adapter_
         K, threshold = MAX_K, trial.suggest_float("draft_threshold", 0.05, 0.95)
     else:
         K = trial.suggest_int("num_speculations", 1, MAX_K)
-    common = dict(num_speculations=K, draft_threshold=threshold, draft_vocab=draft_vocab)
+    lookup_first = trial.suggest_categorical("lookup_first", [False, True])
+    common = dict(num_speculations=K, draft_threshold=threshold, draft_vocab=draft_vocab, lookup_first=lookup_first)
     if strategy == "early-exit":
         return DraftConfig("early-exit", exit_layer=trial.suggest_int("exit_layer", 1, num_layers - 1), **common)
     if strategy == "exit-adapter":
@@ -330,6 +332,7 @@ def _label(d: DraftConfig) -> str:
         return f"prompt-lookup K={d.num_speculations} n={d.max_ngram}"
     length = f"gamma={d.draft_threshold:.2f}" if d.draft_threshold is not None else f"K={d.num_speculations}"
     vocab = f"vocab={d.draft_vocab or 'full'}"
+    vocab += " +lookup" if d.lookup_first else ""
     if d.strategy in ("early-exit", "exit-adapter"):
         return f"{d.strategy} E={d.exit_layer} {length} {vocab}"
     if d.strategy == "layer-skip":
