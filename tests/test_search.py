@@ -442,3 +442,20 @@ def test_lookup_first_is_lossless(zoo, tmp_path, arch):
             assert s.token_ids == m.generate(p, max_new_tokens=N_NEW, lookup_first=True, temperature=0.9, seed=2, **kw).token_ids
     with pytest.raises(SelfSpecError, match="lookup_first"):
         DraftConfig("prompt-lookup", lookup_first=True)
+
+
+def test_sweep_and_bench_take_an_exit_adapter(search_model_dir, tmp_path):
+    m = selfspec.load(str(search_model_dir), dtype="float32")
+    path = tmp_path / "ad.safetensors"
+    save_adapter(_adapter(m, E=3), path)
+    r = run_cli("sweep", "--model", str(search_model_dir), "--strategy", "exit-adapter", "--adapter", str(path),
+                "--num-speculations", "1,3", "--dataset", "code", "--num-samples", "1", "--max-new-tokens", "8",
+                "--warmup", "0", "--no-progress", "--out-dir", str(tmp_path / "sw"))
+    assert r.returncode == 0, r.stderr
+    sweep = json.loads((tmp_path / "sw" / "sweep.json").read_text())
+    assert {c["draft"]["exit_layer"] for c in sweep["cells"]} == {3}
+    b = run_cli("bench", "--model", str(search_model_dir), "--strategy", "exit-adapter", "--adapter", str(path),
+                "--dataset", "code", "--num-samples", "1", "--max-new-tokens", "8", "--warmup", "0", "--no-progress",
+                "--out", str(tmp_path / "b.json"))
+    assert b.returncode == 0, b.stderr
+    assert_user_error(run_cli("sweep", "--model", str(search_model_dir), "--strategy", "exit-adapter"), "--adapter")

@@ -116,7 +116,7 @@ def strategy_label(d: dict | DraftConfig) -> str:
     d = d.to_dict() if isinstance(d, DraftConfig) else d
     s = d.get("strategy", "?")
     parts = [s]
-    if s == "early-exit":
+    if s in ("early-exit", "exit-adapter"):
         parts.append(f"E={d.get('exit_layer')}")
     elif s == "layer-skip":
         parts.append(f"attn={','.join(map(str, d.get('skip_attn') or [])) or '-'} mlp={','.join(map(str, d.get('skip_mlp') or [])) or '-'}")

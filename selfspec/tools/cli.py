@@ -16,7 +16,7 @@ import argparse
 import sys
 
 from selfspec.cli import add_config_args, add_draft_args, add_model_args, config_kwargs, draft_config_from_args, load_model
-from selfspec.config import SamplingConfig
+from selfspec.config import DraftConfig, SamplingConfig
 from selfspec.errors import SelfSpecError
 
 INTERRUPTED = 130
@@ -104,9 +104,15 @@ def cmd_sweep(args) -> int:
 
     _check_common(args)
     ks = parse_int_range(args.num_speculations, "--num-speculations")
-    if args.strategy == "early-exit":
+    if args.strategy == "exit-adapter" and not args.adapter:
+        raise SelfSpecError("--strategy exit-adapter needs --adapter FILE")
+    if args.adapter and args.strategy != "exit-adapter":
+        raise SelfSpecError("--adapter is for --strategy exit-adapter")
+    if args.strategy in ("early-exit", "exit-adapter"):
         if args.skip_ratios is not None:
             raise SelfSpecError("--skip-ratios is for --strategy layer-skip")
+        if args.strategy == "exit-adapter" and args.exit_layers is not None:
+            raise SelfSpecError("--exit-layers: an exit adapter fixes its exit layer")
         rows_text = args.exit_layers
     else:
         if args.exit_layers is not None:
@@ -115,7 +121,9 @@ def cmd_sweep(args) -> int:
     settings = _settings(args)
     dataset = _dataset(args)
     model = load_model(args)
-    if args.strategy == "early-exit":
+    if args.strategy == "exit-adapter":
+        rows = [model.drafter(DraftConfig("exit-adapter", adapter=args.adapter)).adapter.meta.exit_layer]
+    elif args.strategy == "early-exit":
         L = model.spec.num_layers
         if rows_text is None:  # about six exit layers across the depth
             step = max(1, (L - 2) // 6)
@@ -125,7 +133,8 @@ def cmd_sweep(args) -> int:
         bad = [e for e in rows if not 1 <= e <= L - 1]
         if bad:
             raise SelfSpecError(f"--exit-layers: {bad} outside 1..{L - 1} for this {L}-layer model")
-    extra = {"draft_threshold": args.draft_threshold, "adaptive": args.adaptive or None, "draft_vocab": args.draft_vocab}
+    extra = {"draft_threshold": args.draft_threshold, "adaptive": args.adaptive or None, "draft_vocab": args.draft_vocab,
+             "adapter": args.adapter}
     results = run_sweep(model, args.strategy, rows, ks, dataset, settings, skip_kind=args.skip_kind, extra=extra,
                         warmup=args.warmup, out_dir=args.out_dir, profile_out=args.profile_out,
                         progress=not args.no_progress, command=sys.argv[1:], log=_err)
@@ -194,7 +203,8 @@ def register(sub) -> None:
     s = sub.add_parser("sweep", help="grid of exit layers (or skip ratios) x K: CSV, JSON, heatmap, best profile",
                        description="Measures every (exit layer, K) or (skip ratio, K) cell against autoregressive.")
     add_model_args(s)
-    s.add_argument("--strategy", choices=["early-exit", "layer-skip"], default="early-exit")
+    s.add_argument("--strategy", choices=["early-exit", "layer-skip", "exit-adapter"], default="early-exit")
+    s.add_argument("--adapter", default=None, help="exit-adapter: the trained adapter (its exit layer is the only row)")
     s.add_argument("--exit-layers", default=None, help="early-exit rows: start:stop[:step] (inclusive) or a list (default: ~6 across the depth)")
     s.add_argument("--skip-ratios", default=None, help="layer-skip rows: start:stop[:step] or a list of ratios in (0,1) (default: 0.1:0.5:0.1)")
     s.add_argument("--skip-kind", choices=["attn", "mlp", "both"], default="both", help="layer-skip: which sub-layers of a skipped layer to skip (default: both)")

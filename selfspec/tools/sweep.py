@@ -107,8 +107,8 @@ def skip_layers(num_layers: int, ratio: float) -> tuple[int, ...]:
 
 
 def row_draft(strategy: str, row, K: int, num_layers: int, skip_kind: str, extra: dict) -> DraftConfig:
-    if strategy == "early-exit":
-        return DraftConfig(strategy="early-exit", exit_layer=int(row), num_speculations=K, **extra)
+    if strategy in ("early-exit", "exit-adapter"):
+        return DraftConfig(strategy=strategy, exit_layer=int(row), num_speculations=K, **extra)
     layers = skip_layers(num_layers, float(row))
     attn = layers if skip_kind in ("attn", "both") else ()
     mlp = layers if skip_kind in ("mlp", "both") else ()
@@ -167,7 +167,7 @@ def csv_text(results: dict) -> str:
         w.writerow({
             "strategy": d["strategy"],
             "row": c["row"],
-            "exit_layer": d.get("exit_layer") if d["strategy"] == "early-exit" else "",
+            "exit_layer": d.get("exit_layer") if d["strategy"] in ("early-exit", "exit-adapter") else "",
             "skip_ratio": c["row"] if d["strategy"] == "layer-skip" else "",
             "skip_attn": " ".join(map(str, d.get("skip_attn") or [])),
             "skip_mlp": " ".join(map(str, d.get("skip_mlp") or [])),
@@ -196,8 +196,8 @@ def run_sweep(
     command: list[str] | None = None,
     log=None,
 ) -> dict:
-    if strategy not in ("early-exit", "layer-skip"):
-        raise SelfSpecError(f"sweep covers early-exit and layer-skip, not {strategy!r}")
+    if strategy not in ("early-exit", "layer-skip", "exit-adapter"):
+        raise SelfSpecError(f"sweep covers early-exit, layer-skip and exit-adapter, not {strategy!r}")
     bad = [k for k in ks if not 1 <= k <= MAX_SPECULATIONS]
     if bad:
         raise SelfSpecError(f"--num-speculations: K must be in 1..{MAX_SPECULATIONS}, got {bad}")
@@ -216,7 +216,7 @@ def run_sweep(
         "command": command,
         "model": model_info(model),
         "strategy": strategy,
-        "row_kind": "exit_layer" if strategy == "early-exit" else "skip_ratio",
+        "row_kind": "exit_layer" if strategy in ("early-exit", "exit-adapter") else "skip_ratio",
         "rows": rows,
         "num_speculations": ks,
         "skip_kind": skip_kind if strategy == "layer-skip" else None,
