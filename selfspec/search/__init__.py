@@ -5,7 +5,8 @@
 Search space (define-by-run, so each strategy only samples its own parameters):
   strategy       early-exit | layer-skip | prompt-lookup | exit-adapter (with --adapter)
   exit_layer     early-exit: 1..L-1 (exit-adapter: the adapter's)
-  skip_attn_i, skip_mlp_i   layer-skip: one yes/no per sub-layer (Draft & Verify)
+  skip sets      layer-skip: how many attention / MLP sub-layers to skip, and which (the
+                 n with the highest per-layer priorities; Draft & Verify's space)
   K or gamma     a fixed draft length 1..8, or a confidence threshold with K = 8
   draft_vocab    8k / 16k / 32k most frequent tokens, or the full vocabulary
   lookup_first   self-drafting strategies: take a prompt-lookup match first when there is one
@@ -242,13 +243,20 @@ def suggest(trial, cfg: SearchConfig, num_layers: int, vocab_size: int, adapter_
         return DraftConfig("early-exit", exit_layer=trial.suggest_int("exit_layer", 1, num_layers - 1), **common)
     if strategy == "exit-adapter":
         return DraftConfig("exit-adapter", exit_layer=adapter_exit, adapter=cfg.adapter, **common)
-    attn = tuple(i for i in range(num_layers) if trial.suggest_categorical(f"skip_attn_{i}", [False, True]))
-    mlp = tuple(i for i in range(num_layers) if trial.suggest_categorical(f"skip_mlp_{i}", [False, True]))
+    # How many sub-layers to skip, then which: the n with the highest per-layer priority. Independent
+    # yes/no per sub-layer would draw half of them skipped, where drafts are useless.
+    attn = _top_n(trial, "attn", num_layers, trial.suggest_int("skip_attn_n", 0, num_layers // 2))
+    mlp = _top_n(trial, "mlp", num_layers, trial.suggest_int("skip_mlp_n", 0, num_layers // 2))
     if not attn and not mlp:
         return DraftConfig("autoregressive")  # skipping nothing: the draft is the model itself (scored as plain decoding)
     if len(attn) == num_layers and len(mlp) == num_layers:
         raise ValueError("skips everything")
     return DraftConfig("layer-skip", skip_attn=attn, skip_mlp=mlp, **common)
+
+
+def _top_n(trial, kind: str, num_layers: int, n: int) -> tuple[int, ...]:
+    w = [trial.suggest_float(f"{kind}_priority_{i}", 0.0, 1.0) for i in range(num_layers)]
+    return tuple(sorted(sorted(range(num_layers), key=lambda i: -w[i])[:n]))
 
 
 @dataclass
