@@ -52,8 +52,9 @@ def _flag_type(tp):
     return tp
 
 
-def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
+def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (), helps: dict | None = None) -> None:
     hints = typing.get_type_hints(cls)
+    helps = {**_HELP, **(helps or {})}
     for f in fields(cls):
         if f.name in skip:
             continue
@@ -61,9 +62,9 @@ def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] 
         tp = _flag_type(hints[f.name])
         default = None  # None = "not given": the dataclass (or a profile) supplies the default
         shown = f.default if f.default is not MISSING else None
-        help_ = f"{_HELP.get(f.name, '')} (default: {shown})"
+        help_ = f"{helps.get(f.name, '')} (default: {shown})"
         if tp is bool:
-            parser.add_argument(flag, action="store_true", default=None, help=_HELP.get(f.name))
+            parser.add_argument(flag, action="store_true", default=None, help=helps.get(f.name))
         elif f.name == "stop":
             parser.add_argument(flag, action="append", default=None, help=help_)
         elif f.name == "strategy":

@@ -23,7 +23,18 @@ def register(sub) -> None:
                        description="Searches draft configurations by predicted speedup (or measured tokens/s), confirms the "
                                    "winner by measurement and writes a draft profile plus an optimisation-history plot.")
     add_model_args(p)
-    add_config_args(p, SearchConfig, skip=_AUTO_FLAGS)
+    add_config_args(p, SearchConfig, skip=_AUTO_FLAGS, helps={
+        "strategies": "comma list of early-exit, layer-skip, prompt-lookup, exit-adapter",
+        "n_trials": "total finished trials the study should hold (all workers, earlier runs included)",
+        "objective": "predicted (replayed greedy decoding + measured costs) or measured (timed generations)",
+        "dataset": "comma list of prompt sets for calibration: code, text, summarize, a .jsonl, hf:...",
+        "num_samples": "prompts per set",
+        "max_new_tokens": "greedy continuation scored per prompt",
+        "draft_vocabs": "restricted draft vocabulary sizes to try besides the full vocabulary (comma list)",
+        "adapter": "an exit adapter to include in the search (strategy exit-adapter)",
+        "study_name": "Optuna study name (default: selfspec-<model fingerprint>)",
+        "seed": "seed of the TPE sampler and of the prompt selection",
+    })
     p.add_argument("--storage", default=None, help="Optuna storage URL, e.g. sqlite:///study.db (default: OUT_DIR/study.db); "
                                                    "several processes or machines may share one study")
     p.add_argument("--workers", type=int, default=1, help="local worker processes on the same study (default: 1)")
