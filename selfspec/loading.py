@@ -85,8 +85,8 @@ def _load_gguf_hf(path: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32, local_files_only=True)
     except Exception as e:  # transformers raises many types for a bad file
         raise SelfSpecError(f"cannot load GGUF file {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
     return model, tok
@@ -160,7 +160,7 @@ def load_source(source, tokenizer=None):
     if not (path / "config.json").exists():
         raise SelfSpecError(f"{path} has no config.json: not a Hugging Face model directory")
     try:
-        config = AutoConfig.from_pretrained(str(path))
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     except Exception as e:
         raise SelfSpecError(f"cannot read {path / 'config.json'}: {str(e).splitlines()[0]}") from e
     from selfspec.architectures import ModelSpec
@@ -181,7 +181,7 @@ def _load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as e:
         raise SelfSpecError(f"cannot load the tokenizer in {path}: {str(e).splitlines()[0]}") from e
 

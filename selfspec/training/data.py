@@ -220,8 +220,11 @@ def bpe_tokenizer_from_json(spec: str):
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
+    local = Path(path).expanduser()
+    if not local.is_dir():  # never a hub id: nothing may download at run time
+        raise SelfSpecError(f"tokenizer directory not found: {path}")
     try:
-        return AutoTokenizer.from_pretrained(str(Path(path).expanduser()))
+        return AutoTokenizer.from_pretrained(str(local), local_files_only=True)
     except Exception as e:
         raise SelfSpecError(f"cannot load a tokenizer from {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
 

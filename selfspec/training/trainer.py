@@ -80,7 +80,7 @@ def _build_lm(cfg: TrainConfig, docs, resume_from: Path | None, log, dist_info, 
     mc = cfg.model
     if resume_from is not None:
         tokenizer = data_mod.load_tokenizer(str(resume_from))
-        model = models.new_model(AutoConfig.from_pretrained(str(resume_from)), cfg.loop.seed)
+        model = models.new_model(AutoConfig.from_pretrained(str(resume_from), local_files_only=True), cfg.loop.seed)
         models.load_weights(model, models.read_model_weights(resume_from), str(resume_from))
         return model, tokenizer
     if not mc.from_scratch:
