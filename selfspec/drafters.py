@@ -338,11 +338,10 @@ class AutoDrafter(Drafter):
     def max_draft(self) -> int:
         return self.base.cfg.num_speculations if self.base is not None else self.cfg.num_speculations
 
-    K = max_draft
-
     def prefill(self, ids, cache):
         self._reset()
         if self.choose_base is None:
+            self._model_costs()
             return self.base.prefill(ids, cache)
         # No profile: the prefill itself keeps the hidden states calibration scores, so
         # choosing a draft costs only a few head evaluations, not a second pass.
@@ -353,7 +352,14 @@ class AutoDrafter(Drafter):
         if alpha is not None:  # calibration measured acceptance: start from it, worth PRIOR_WEIGHT steps
             self.A, self.R = self.PRIOR_WEIGHT * alpha, self.PRIOR_WEIGHT * (1 - alpha)
         self.base.start(cache)
+        self._model_costs()
         return logits
+
+    def _model_costs(self) -> None:
+        """Modelled seconds of a step drafting k tokens, k = 0..K, for this generation's base:
+        fixed per generation, so the per-step decision is arithmetic only."""
+        c, cfg = self.costs, self.base.cfg
+        self._spec_s = [k * c.draft_token(cfg) + c.verify_step(cfg, k, exit_cached=False) for k in range(self.max_draft + 1)]
 
     def _reset(self) -> None:
         self.A, self.R = self.prior
@@ -364,23 +370,23 @@ class AutoDrafter(Drafter):
 
     def predicted(self, k: int) -> float:
         """Predicted speedup of drafting k tokens this step."""
-        c, cfg = self.costs, self.base.cfg
         alpha = self.A / (self.A + self.R)
-        spec = k * c.draft_token(cfg) + c.verify_step(cfg, k, exit_cached=False)
-        return expected_tokens(alpha, k) * c.ar_step * self.scale_ar / (spec * self.scale_spec)
+        return expected_tokens(alpha, k) * self.costs.ar_step * self.scale_ar / (self._spec_s[k] * self.scale_spec)
 
-    def _best_k(self, kmax: int) -> int:
-        """The longest k within NEAR_TIE of the best prediction: fixed per-step costs the
-        model leaves out (the engine's bookkeeping) favour fewer, longer steps."""
+    def _best_k(self, kmax: int) -> tuple[int, float]:
+        """The longest k within NEAR_TIE of the best prediction (fixed per-step costs the
+        model leaves out, the engine's bookkeeping, favour fewer, longer steps), and its
+        predicted speedup."""
         preds = [self.predicted(k) for k in range(1, kmax + 1)]
         top = max(preds)
-        return max(k for k, p in enumerate(preds, 1) if p >= top * (1 - NEAR_TIE))
+        k = max(k for k, p in enumerate(preds, 1) if p >= top * (1 - NEAR_TIE))
+        return k, preds[k - 1]
 
     def _plan(self, limit: int) -> int:
         if limit <= 0:
             return 0
-        best = self._best_k(min(self.K, limit))
-        if self.predicted(best) >= 1.0:
+        best, speedup = self._best_k(min(self.max_draft, limit))
+        if speedup >= 1.0:
             return best
         if self.wait > 0:
             self.wait -= 1
@@ -397,7 +403,7 @@ class AutoDrafter(Drafter):
 
     def accepted(self, step, draft, n):
         self.base.accepted(step, draft, n)
-        c, cfg, d = self.costs, self.base.cfg, len(draft.tokens)
+        d = len(draft.tokens)
         elapsed = self._clock() - self._t0
         self.decisions.append(self._k)
         # Observed/modelled time corrects the cost model online. Greedy only: when sampling,
@@ -406,14 +412,13 @@ class AutoDrafter(Drafter):
         timing = self.timing and step.sampling.greedy
         if self._k == 0 or d == 0:  # a plain decoding step (or a draft that came back empty)
             if timing:
-                self.scale_ar = 0.8 * self.scale_ar + 0.2 * elapsed / c.ar_step
+                self.scale_ar = 0.8 * self.scale_ar + 0.2 * elapsed / self.costs.ar_step
             return
         if timing:
-            modelled = d * c.draft_token(cfg) + c.verify_step(cfg, d, exit_cached=False)
-            self.scale_spec = 0.8 * self.scale_spec + 0.2 * elapsed / modelled
+            self.scale_spec = 0.8 * self.scale_spec + 0.2 * elapsed / self._spec_s[d]
         self.A = self.DECAY * self.A + n
         self.R = self.DECAY * self.R + (n < d)
-        if self.predicted(self._best_k(self.K)) >= 1.0:
+        if self._best_k(self.max_draft)[1] >= 1.0:
             self.backoff = self.BASE_BACKOFF
         else:  # this step (a probe, or drafting that stopped paying): back off
             self.wait = self.backoff

@@ -221,6 +221,15 @@ class Prediction:
     def mean_accepted_length(self) -> float:
         return self.tokens / self.steps if self.steps else 0.0
 
+    def step(self, drafted: int, accepted: int, seconds: float) -> int:
+        """Record one verify step; -> tokens it commits (accepted drafts + the verifier's)."""
+        self.time_s += seconds
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.tokens += accepted + 1
+        return accepted + 1
+
     def add(self, other: "Prediction") -> "Prediction":
         return Prediction(*(getattr(self, f) + getattr(other, f) for f in ("tokens", "steps", "drafted", "accepted", "time_s", "ar_time_s")))
 
@@ -258,15 +267,7 @@ def simulate(cfg: DraftConfig, cal: Calibration, costs: CostModel, adapter_cost:
             q = start + p  # absolute index of the pending token
             draft = lookup_continuation(tokens[: q + 1], cfg.max_ngram, k)
             if draft:
-                n = 0
-                while n < len(draft) and draft[n] == tokens[q + 1 + n]:
-                    n += 1
-                out.time_s += costs.verify(len(draft) + 1)
-                out.steps += 1
-                out.drafted += len(draft)
-                out.accepted += n
-                out.tokens += n + 1
-                p += n + 1
+                p += out.step(len(draft), _matching_prefix(draft, tokens, q + 1), costs.verify(len(draft) + 1))
                 continue
         drafted, stopped = 0, False
         while drafted < k:
@@ -277,14 +278,17 @@ def simulate(cfg: DraftConfig, cal: Calibration, costs: CostModel, adapter_cost:
         n = 0
         while n < drafted and cal.match[p + n]:
             n += 1
-        out.time_s += (drafted + stopped) * t_draft + costs.verify_step(cfg, drafted, exit_cached=stopped)
-        out.steps += 1
-        out.drafted += drafted
-        out.accepted += n
-        out.tokens += n + 1
-        p += n + 1
+        p += out.step(drafted, n, (drafted + stopped) * t_draft + costs.verify_step(cfg, drafted, exit_cached=stopped))
     out.ar_time_s = out.tokens * costs.ar_step
     return out
+
+
+def _matching_prefix(draft: list[int], tokens: list[int], at: int) -> int:
+    """How many leading draft tokens equal tokens[at:] (greedy acceptance)."""
+    n = 0
+    while n < len(draft) and draft[n] == tokens[at + n]:
+        n += 1
+    return n
 
 
 def simulate_lookup(cfg: DraftConfig, tokens: list[int], start: int, costs: CostModel) -> Prediction:
@@ -298,15 +302,7 @@ def simulate_lookup(cfg: DraftConfig, tokens: list[int], start: int, costs: Cost
     while p < end:
         k = min(cfg.num_speculations, end - p - 1)
         draft = lookup_continuation(tokens[: p + 1], cfg.max_ngram, k) if k > 0 else []
-        n = 0
-        while n < len(draft) and draft[n] == tokens[p + 1 + n]:
-            n += 1
-        out.time_s += costs.verify(len(draft) + 1)
-        out.steps += 1
-        out.drafted += len(draft)
-        out.accepted += n
-        out.tokens += n + 1
-        p += n + 1
+        p += out.step(len(draft), _matching_prefix(draft, tokens, p + 1), costs.verify(len(draft) + 1))
     out.ar_time_s = out.tokens * costs.ar_step
     return out
 

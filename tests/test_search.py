@@ -93,7 +93,9 @@ def calibration(tiny):
     DraftConfig("early-exit", exit_layer=5, num_speculations=3, draft_threshold=0.3),
     DraftConfig("prompt-lookup", num_speculations=3),
     DraftConfig("prompt-lookup", num_speculations=8, max_ngram=1),
-], ids=lambda c: f"{c.strategy}-{c.exit_layer}-{c.num_speculations}-{c.draft_threshold}")
+    DraftConfig("early-exit", exit_layer=2, num_speculations=4, lookup_first=True),
+    DraftConfig("early-exit", exit_layer=4, num_speculations=6, lookup_first=True, max_ngram=1),
+], ids=lambda c: f"{c.strategy}-{c.exit_layer}-{c.num_speculations}-{c.draft_threshold}-{c.lookup_first}-{c.max_ngram}")
 def test_prediction_replays_the_engine_exactly(tiny, calibration, cfg):
     from selfspec.search import predict
 
@@ -409,21 +411,6 @@ def test_profile_for_another_model_is_refused(search_model_dir, tmp_path):
     save_profile(Profile(DraftConfig("prompt-lookup"), "0000000000000000"), prof)
     r = run_cli("generate", "a b", "--model", str(search_model_dir), "--profile", str(prof), "--strategy", "auto")
     assert_user_error(r, "another model")
-
-
-@pytest.mark.parametrize("cfg", [
-    DraftConfig("early-exit", exit_layer=2, num_speculations=4, lookup_first=True),
-    DraftConfig("early-exit", exit_layer=4, num_speculations=6, lookup_first=True, max_ngram=1),
-], ids=["E2", "E4-ngram1"])
-def test_lookup_first_prediction_replays_the_engine(tiny, calibration, cfg):
-    from selfspec.search import predict
-
-    cal, ps = calibration
-    pred = predict(cfg, cal, tiny.cost_model())
-    stats = [tiny.generate(p, max_new_tokens=N_NEW, draft=cfg).stats for p in ps]
-    real = (sum(s.new_tokens - 1 for s in stats), sum(s.verify_steps for s in stats),
-            sum(s.drafted for s in stats), sum(s.accepted for s in stats))
-    assert (pred.tokens, pred.steps, pred.drafted, pred.accepted) == real
 
 
 @pytest.mark.parametrize("arch", ARCHS)
