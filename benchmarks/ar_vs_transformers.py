@@ -38,13 +38,13 @@ def main() -> None:
         hf = hf_model(dtype)
         ids_list = [m.encode(p) for p in PROMPTS[: args.prompts]]
         # warm-up both
-        m.generate(ids_list[0], max_new_tokens=8)
+        m.generate(ids_list[0], max_new_tokens=8, strategy="autoregressive")
         hf_generate_tps(hf, ids_list[0], 8)
         ours, theirs, same = [], [], 0
         for ids in ids_list:
-            r = m.generate(ids, max_new_tokens=args.max_new_tokens)
+            r = m.generate(ids, max_new_tokens=args.max_new_tokens, strategy="autoregressive")
             tps_hf, hf_ids = hf_generate_tps(hf, ids, args.max_new_tokens, min_new_tokens=args.max_new_tokens, eos_token_id=None)
-            r = m.generate(ids, max_new_tokens=args.max_new_tokens)  # interleaved: ours, theirs, ours
+            r = m.generate(ids, max_new_tokens=args.max_new_tokens, strategy="autoregressive")  # interleaved: ours, theirs, ours
             ours.append(r.stats.tokens_per_second)
             theirs.append(tps_hf)
             n = min(len(hf_ids), len(r.token_ids))

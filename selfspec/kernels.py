@@ -51,7 +51,7 @@ import torch
 
 __all__ = ["available", "supports", "matmul", "pack", "pack_rows", "PackedWeight"]
 
-_SRC = Path(__file__).with_name("csrc") / "gemm.c"
+_SRCS = [Path(__file__).with_name("csrc") / name for name in ("gemm.c", "blocks.c")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _NEEDED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "fma")
 _TILE = 64  # columns per tile, must match NT in gemm.c
@@ -59,6 +59,7 @@ _DTYPES = (torch.bfloat16, torch.float32)
 
 _lock = threading.Lock()
 _lib = None  # ctypes function, or False once loading failed
+_blocks: dict = {}  # "attn" / "mlp" -> fused sub-layer functions of the same library
 _load_error: str | None = None
 
 
@@ -85,7 +86,7 @@ def _build() -> Path:
     cc = os.environ.get("CC", "gcc")
     if shutil.which(cc) is None:
         raise RuntimeError(f"compiler {cc!r} not found")
-    src = _SRC.read_bytes()
+    src = b"\0".join(p.read_bytes() for p in _SRCS)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     h = hashlib.sha256()
     for part in (src, " ".join(_FLAGS).encode(), version.encode(), platform.machine().encode(),
@@ -100,7 +101,7 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".libgemm-", suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        r = subprocess.run([cc, *_FLAGS, str(_SRC), "-o", tmp], capture_output=True, text=True, timeout=120)
+        r = subprocess.run([cc, *_FLAGS, *map(str, _SRCS), "-o", tmp], capture_output=True, text=True, timeout=120)
         if r.returncode != 0:
             raise RuntimeError(f"compilation failed: {r.stderr.strip()[-2000:]}")
         os.replace(tmp, lib)
@@ -131,7 +132,13 @@ def _load():
             ref = dll.selfspec_gemm_ref
             ref.restype = ctypes.c_int
             ref.argtypes = [ctypes.c_long] * 3 + [ctypes.c_void_p] * 3
+            for name in ("selfspec_attn_block", "selfspec_mlp_block"):
+                getattr(dll, name).restype = ctypes.c_int
+            dll.selfspec_attn_block.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 2
+                                                + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int])
+            dll.selfspec_mlp_block.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long, ctypes.c_int]
             _lib = (fn, ref)
+            _blocks.update(attn=dll.selfspec_attn_block, mlp=dll.selfspec_mlp_block)
         except Exception as e:  # noqa: BLE001 - any failure means "use torch"
             _load_error = f"{type(e).__name__}: {e}"
             _lib = False
@@ -284,3 +291,79 @@ def _reference_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     y = torch.empty(x.shape[0], w.shape[1], dtype=torch.float32)
     ref(x.shape[0], x.shape[1], w.shape[1], x.data_ptr(), w.data_ptr(), y.data_ptr())
     return y
+
+
+# ---- fused decoder sub-layers (csrc/blocks.c) ------------------------------------------------
+
+class _Dims(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_long) for n in ("hidden", "heads", "kv_heads", "head_dim", "inter")] + [
+        ("eps", ctypes.c_float), ("attn_scale", ctypes.c_float),
+        ("act", ctypes.c_int), ("qk_norm", ctypes.c_int), ("sandwich", ctypes.c_int)]
+
+
+_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")
+_VECTORS = ("bqkv", "bo", "b_gate_up", "b_down",
+            "attn_norm", "q_norm", "k_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm")
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = ([(n, ctypes.c_void_p) for n in _WEIGHTS]
+                + [(n, ctypes.c_int) for n in ("wqkv_packed", "wo_packed", "gu_packed", "down_packed")]
+                + [(n, ctypes.c_void_p) for n in _VECTORS])
+
+
+_ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+
+
+class FusedBlocks:
+    """One C call per attention / MLP sub-layer (bf16 residual and cache, fp32 in between).
+
+    Row-invariant like matmul (see csrc/blocks.c for the fixed reduction orders), so a verify
+    pass over T rows equals T single-row steps bit for bit. `layers` are the runtime's layer
+    dicts ([in, out] bf16 matrices or PackedWeights, fp32 norm vectors, optional biases);
+    the C structs hold raw pointers, so this object keeps every tensor it points at alive.
+    """
+
+    def __init__(self, *, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float,
+                 attn_scale: float, activation: str, qk_norm: bool, sandwich: bool, layers: list[dict]):
+        if not available():
+            raise RuntimeError(f"kernels not available ({_load_error or 'disabled'})")
+        self.dims = _Dims(hidden, heads, kv_heads, head_dim, inter, eps, attn_scale,
+                          _ACTIVATIONS[activation], int(qk_norm), int(sandwich))
+        self._keep: list = []
+        self.layers = []
+        for L in layers:
+            s = _Layer()
+            for name, flag in zip(_WEIGHTS, ("wqkv_packed", "wo_packed", "gu_packed", "down_packed")):
+                w = L[name]
+                t = w.data if isinstance(w, PackedWeight) else w
+                if t.dtype != torch.bfloat16 or not t.is_contiguous():
+                    raise ValueError(f"FusedBlocks: {name} must be a contiguous bf16 matrix")
+                setattr(s, name, t.data_ptr())
+                setattr(s, flag, int(isinstance(w, PackedWeight)))
+                self._keep.append(t)
+            for name in _VECTORS:
+                if L.get(name) is not None:
+                    v = L[name].detach().float().contiguous()
+                    setattr(s, name, v.data_ptr())
+                    self._keep.append(v)
+            self.layers.append(s)
+        self._attn, self._mlp = _blocks["attn"], _blocks["mlp"]
+        self._dims_ptr = ctypes.addressof(self.dims)
+        self._layer_ptrs = [ctypes.addressof(s) for s in self.layers]
+
+    def attention(self, i: int, h: torch.Tensor, pos: int, kt: torch.Tensor, v: torch.Tensor,
+                  window: int | None, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """h [T, H] bf16 contiguous, updated in place; kt [kv, D, cap] / v [kv, cap, D]: layer i's
+        cache (rows pos..pos+T-1 written); cos/sin fp32 [T, D] contiguous for these positions."""
+        rc = self._attn(self._dims_ptr, self._layer_ptrs[i], h.data_ptr(), h.shape[0], pos, kt.data_ptr(),
+                        v.data_ptr(), kt.shape[-1], window or 0, cos.data_ptr(), sin.data_ptr(),
+                        torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"kernels: attention block returned {rc}")
+
+    def mlp(self, i: int, h: torch.Tensor) -> None:
+        """h [T, H] bf16 contiguous, updated in place."""
+        rc = self._mlp(self._dims_ptr, self._layer_ptrs[i], h.data_ptr(), h.shape[0], torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"kernels: MLP block returned {rc}")

@@ -63,9 +63,13 @@ class Runtime:
         # CUDA every decode/verify matmul runs at one fixed row count (static shapes).
         self.min_rows = 2 if self.device.type == "cpu" else 2 * MAX_SPECULATIONS
         self._mm = _kernel_mm if self.uses_kernels else functools.partial(_torch_mm, min_rows=self.min_rows)
+        if self.uses_kernels:  # wide matrices stream ~1.5x faster as 64-column tiles (kernels.pack)
+            self.layers = [{k: self.prepare_weight(w) if k in ("w_gate_up",) else w for k, w in L.items()}
+                           for L in self.layers]
         rows = weights["head"]  # [V, H]
         self.head = kernels.pack_rows(rows) if self.uses_kernels else rows.t().contiguous()  # [H, V]
         self._rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rope32: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # fp32 tables (fused path)
         self._rope_len = 0
         s = spec
         self._q, self._kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
@@ -73,6 +77,13 @@ class Runtime:
         self._embed_scale = (
             None if s.embed_scale is None else torch.tensor(s.embed_scale, dtype=dtype).item()
         )
+        # bf16 CPU: one C call per sub-layer (kernels.FusedBlocks) instead of ~30 torch ops.
+        self.blocks = None
+        if self.uses_kernels:
+            self.blocks = kernels.FusedBlocks(
+                hidden=s.hidden_size, heads=s.num_heads, kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+                inter=self.layers[0]["w_down"].shape[0], eps=s.rms_norm_eps, attn_scale=s.attn_scale,
+                activation=s.activation, qk_norm=s.qk_norm, sandwich=s.sandwich_norms, layers=self.layers)
 
     @classmethod
     def from_state_dict(cls, spec: ModelSpec, state_dict: dict, hf_config, dtype=torch.float32, device="cpu"):
@@ -96,6 +107,7 @@ class Runtime:
         tables = rotary_tables(self.hf_config, self.spec, length)
         # HF casts cos/sin to the activation dtype before use; we do the same once here.
         self._rope = {k: (c.to(self.device, self.dtype), s.to(self.device, self.dtype)) for k, (c, s) in tables.items()}
+        self._rope32 = {k: (c.to(self.device).contiguous(), s.to(self.device).contiguous()) for k, (c, s) in tables.items()}
         self._rope_len = length
 
     # ---- primitives -------------------------------------------------------------------
@@ -112,7 +124,7 @@ class Runtime:
 
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step reads (layers + LM head; the embedding is a gather)."""
-        tensors = [t for L in self.layers for t in L.values()] + [getattr(self.head, "data", self.head), self.final_norm]
+        tensors = [getattr(t, "data", t) for L in self.layers for t in L.values()] + [getattr(self.head, "data", self.head), self.final_norm]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def head_columns(self, ids: torch.Tensor) -> torch.Tensor:
@@ -200,14 +212,27 @@ class Runtime:
         masks: dict | None = None,
     ) -> torch.Tensor:
         """h [T, H] holds positions pos..pos+T-1 at the input of layer `start`."""
+        windows = self.spec.sliding_windows
+        if self.blocks is not None:
+            return self._run_fused(h, start, end, pos, cache, skip_attn, skip_mlp)
         if masks is None:
             masks = self.masks(pos, h.shape[0], cache)
-        windows = self.spec.sliding_windows
         for i in range(start, end):
             if i not in skip_attn:
                 h = h + self._attention(i, h, pos, cache, masks[windows[i]])
             if i not in skip_mlp:
                 h = h + self._mlp(i, h)
+        return h
+
+    def _run_fused(self, h, start, end, pos, cache, skip_attn, skip_mlp) -> torch.Tensor:
+        h = h.contiguous().clone()  # updated in place below; callers keep their input
+        T, windows, kinds = h.shape[0], self.spec.sliding_windows, self.spec.rope_kinds
+        for i in range(start, end):
+            if i not in skip_attn:
+                cos, sin = self._rope32[kinds[i]]
+                self.blocks.attention(i, h, pos, cache.kt[i], cache.v[i], windows[i], cos[pos : pos + T], sin[pos : pos + T])
+            if i not in skip_mlp:
+                self.blocks.mlp(i, h)
         return h
 
     def logits(self, h: torch.Tensor, head=None) -> torch.Tensor:

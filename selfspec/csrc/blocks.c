@@ -1,0 +1,269 @@
+/* Fused decoder sub-layers for the CPU bf16 path: one call per attention or MLP sub-layer
+ * instead of ~30 small torch ops each (at decode sizes the ops' dispatch cost, not their
+ * arithmetic, was half of a step).
+ *
+ *   attention: h += [post_norm]( Wo . attend( rope(qk_norm(Wqkv . norm(h))) , cache ) )
+ *   mlp      : h += [post_norm]( Wdown . (act(gate) * up) ),  gate|up = Wgu . norm(h)
+ *
+ * h (the residual stream), the KV cache and the weights are bf16; everything in between is
+ * fp32. Row invariance (a verify pass over T rows == T single-row calls, bit for bit) holds by
+ * construction: each row is computed independently with fixed-order reductions, the matmuls
+ * use selfspec_gemm (one FMA chain per output, see gemm.c), and a row's attention reads its
+ * keys/values back from the bf16 cache (also the ones this call just wrote), loops over keys
+ * lo..p in increasing order, and never looks at T.
+ *
+ * Reductions used (each a fixed function of the row alone):
+ *   sum of squares: 16 fp32 lanes over i = lane (mod 16), then lanes added 0..15 in order.
+ *   score_j = chain over d: acc = fmaf(q[d], k[d][j], acc); then * scale.
+ *   softmax: m = max_j s_j; e_j = expf(s_j - m); Z = ((e_lo + e_lo+1) + ...) in order.
+ *   out[d]  = chain over j: acc = fmaf(e_j, v[j][d], acc); then / Z.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <stdlib.h>
+#include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+int selfspec_gemm(long M, long K, long N, const void *x, int x_bf16, const void *w, int w_bf16,
+                  int packed, void *y, int y_bf16, int nthreads);
+
+typedef struct {
+    long hidden, heads, kv_heads, head_dim, inter;
+    float eps, attn_scale;
+    int act;       /* 0 silu, 1 gelu (erf), 2 gelu (tanh) */
+    int qk_norm;   /* per-head RMSNorm on q and k before rotary */
+    int sandwich;  /* post-attention / post-MLP norms (Gemma) */
+} ss_dims;
+
+typedef struct {
+    const void *wqkv, *wo, *w_gate_up, *w_down;             /* bf16 [in, out], plain or packed */
+    int wqkv_packed, wo_packed, gu_packed, down_packed;
+    const float *bqkv, *bo, *b_gate_up, *b_down;             /* fp32 or NULL */
+    const float *attn_norm, *q_norm, *k_norm, *post_attn_norm, *mlp_norm, *post_mlp_norm;  /* fp32 */
+} ss_layer;
+
+static inline float bf2f(uint16_t v) { uint32_t u = (uint32_t)v << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t f2bf(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if (isnan(f)) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static float sumsq(const float *x, long n) {
+    __m512 acc = _mm512_setzero_ps();
+    long i = 0;
+    for (; i + 16 <= n; i += 16) { __m512 v = _mm512_loadu_ps(x + i); acc = _mm512_fmadd_ps(v, v, acc); }
+    if (i < n) {
+        __mmask16 mk = (__mmask16)((1u << (n - i)) - 1);
+        __m512 v = _mm512_maskz_loadu_ps(mk, x + i);
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    float lanes[16], s = 0.0f;
+    _mm512_storeu_ps(lanes, acc);
+    for (int l = 0; l < 16; l++) s += lanes[l];
+    return s;
+}
+
+/* y = x / sqrt(mean(x^2) + eps) * w  (in place allowed) */
+static void rmsnorm(const float *x, const float *w, float *y, long n, float eps) {
+    float r = 1.0f / sqrtf(sumsq(x, n) / (float)n + eps);
+    for (long i = 0; i < n; i++) y[i] = x[i] * r * w[i];
+}
+
+/* HF rotate_half convention: y[d] = x[d] cos[d] - x[d+D/2] sin[d] (d < D/2), x[d] cos[d] + x[d-D/2] sin[d] */
+static void rope(float *x, const float *cs, const float *sn, long D) {
+    long half = D / 2;
+    for (long d = 0; d < half; d++) {
+        float a = x[d], b = x[d + half];
+        x[d] = a * cs[d] - b * sn[d];
+        x[d + half] = b * cs[d + half] + a * sn[d + half];
+    }
+}
+
+/* e^x for 16 lanes (Cephes expf: x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial, scaled by
+ * 2^n; ~1 ulp). Scalar libm calls made the activation the slowest part of the MLP block. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* a[i] = act(gate[i]) * up[i]. silu(x) = x / (1 + e^-x); the tanh GELU
+ * 0.5 x (1 + tanh(u)) = x / (1 + e^(-2u)), u = sqrt(2/pi) (x + 0.044715 x^3); exact GELU via erff. */
+static void gated_activation(int act, const float *gate, const float *up, float *a, long n) {
+    if (act == 1) {
+        for (long i = 0; i < n; i++) a[i] = 0.5f * gate[i] * (1.0f + erff(gate[i] * 0.70710678118654752f)) * up[i];
+        return;
+    }
+    for (long i = 0; i < n; i += 16) {
+        long left = n - i;
+        __mmask16 mk = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+        __m512 x = _mm512_maskz_loadu_ps(mk, gate + i), s;
+        if (act == 0) s = x;
+        else {
+            __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+            s = _mm512_mul_ps(_mm512_set1_ps(2.0f * 0.79788456080286536f), _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), x3, x));
+        }
+        __m512 z = exp16(_mm512_sub_ps(_mm512_setzero_ps(), s));
+        __m512 g = _mm512_div_ps(x, _mm512_add_ps(z, _mm512_set1_ps(1.0f)));
+        _mm512_mask_storeu_ps(a + i, mk, _mm512_mul_ps(g, _mm512_maskz_loadu_ps(mk, up + i)));
+    }
+}
+
+/* One (row, query head): q [D] fp32 -> out [D] fp32 over keys lo..p of kv head kt/vc. */
+static void attend_one(const float *q, const uint16_t *kt, const uint16_t *vc, long cap, long D,
+                       long lo, long p, float scale, float *scores, float *out) {
+    long n = p - lo + 1;
+    for (long j0 = 0; j0 < n; j0 += 16) {
+        long left = n - j0;
+        __mmask16 mk = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+        __m512 acc = _mm512_setzero_ps();
+        const uint16_t *kp = kt + lo + j0;
+        for (long d = 0; d < D; d++) {
+            __m256i hv = _mm256_maskz_loadu_epi16(mk, kp + d * cap);
+            __m512 kv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hv), 16));
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), kv, acc);
+        }
+        _mm512_mask_storeu_ps(scores + j0, mk, _mm512_mul_ps(acc, _mm512_set1_ps(scale)));
+    }
+    float m = -INFINITY;
+    for (long j = 0; j < n; j++) m = scores[j] > m ? scores[j] : m;
+    float z = 0.0f;
+    for (long j = 0; j < n; j++) { scores[j] = expf(scores[j] - m); z += scores[j]; }
+    for (long d0 = 0; d0 < D; d0 += 64) {
+        long dl = D - d0 < 64 ? D - d0 : 64;
+        __mmask16 mk[4];
+        for (int c = 0; c < 4; c++) {
+            long left = dl - 16 * c;
+            mk[c] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+        }
+        __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (long j = 0; j < n; j++) {
+            const uint16_t *vp = vc + (lo + j) * D + d0;
+            __m512 e = _mm512_set1_ps(scores[j]);
+            for (int c = 0; c < 4; c++) {
+                __m256i hv = _mm256_maskz_loadu_epi16(mk[c], vp + 16 * c);
+                __m512 vv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hv), 16));
+                a[c] = _mm512_fmadd_ps(e, vv, a[c]);
+            }
+        }
+        __m512 zz = _mm512_set1_ps(z);
+        for (int c = 0; c < 4; c++) _mm512_mask_storeu_ps(out + d0 + 16 * c, mk[c], _mm512_div_ps(a[c], zz));
+    }
+}
+
+/* h [T, hidden] bf16 at positions pos..pos+T-1 (updated in place). kt: this layer's keys
+ * [kv_heads, head_dim, cap], vc: values [kv_heads, cap, head_dim] (bf16; rows pos..pos+T-1
+ * are written). cos/sin: fp32 [T, head_dim] rows for these positions. window <= 0: full causal. */
+int selfspec_attn_block(const ss_dims *d, const ss_layer *w, uint16_t *h, long T, long pos,
+                        uint16_t *kt, uint16_t *vc, long cap, long window,
+                        const float *cos, const float *sin, int nthreads) {
+    const long H = d->hidden, nh = d->heads, nkv = d->kv_heads, D = d->head_dim;
+    const long Q = nh * D, KV = nkv * D, W = Q + 2 * KV, g = nh / nkv;
+    if (pos + T > cap) return 3;
+    float *x = malloc(sizeof(float) * T * H);
+    float *qkv = malloc(sizeof(float) * T * W);
+    float *att = malloc(sizeof(float) * T * Q);
+    float *o = malloc(sizeof(float) * T * H);
+    int rc = 0;
+    if (!x || !qkv || !att || !o) { rc = 1; goto done; }
+    for (long t = 0; t < T; t++) {
+        for (long i = 0; i < H; i++) x[t * H + i] = bf2f(h[t * H + i]);
+        rmsnorm(x + t * H, w->attn_norm, x + t * H, H, d->eps);
+    }
+    if ((rc = selfspec_gemm(T, H, W, x, 0, w->wqkv, 1, w->wqkv_packed, qkv, 0, nthreads))) goto done;
+    for (long t = 0; t < T; t++) {
+        float *r = qkv + t * W;
+        if (w->bqkv) for (long i = 0; i < W; i++) r[i] += w->bqkv[i];
+        const float *cs = cos + t * D, *sn = sin + t * D;
+        for (long a = 0; a < nh; a++) {
+            if (d->qk_norm) rmsnorm(r + a * D, w->q_norm, r + a * D, D, d->eps);
+            rope(r + a * D, cs, sn, D);
+        }
+        for (long a = 0; a < nkv; a++) {
+            float *k = r + Q + a * D, *v = r + Q + KV + a * D;
+            if (d->qk_norm) rmsnorm(k, w->k_norm, k, D, d->eps);
+            rope(k, cs, sn, D);
+            long p = pos + t;
+            for (long e = 0; e < D; e++) {
+                kt[(a * D + e) * cap + p] = f2bf(k[e]);
+                vc[(a * cap + p) * D + e] = f2bf(v[e]);
+            }
+        }
+    }
+    /* work ~ rows x heads x keys x D: only fan out when it is worth a parallel region */
+    long keys = pos + T, pairs = T * nh;
+    int nt = nthreads > 0 ? nthreads : 1;
+    if ((double)pairs * (double)keys * (double)D < 4e6) nt = 1;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt)
+#endif
+    {
+        float *scores = malloc(sizeof(float) * (keys + 16));
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (long i = 0; i < pairs; i++) {
+            long t = i / nh, a = i % nh, kvh = a / g, p = pos + t;
+            long lo = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
+            if (scores) attend_one(qkv + t * W + a * D, kt + kvh * D * cap, vc + kvh * cap * D, cap, D,
+                                   lo, p, d->attn_scale, scores, att + t * Q + a * D);
+        }
+        if (!scores) rc = 1;
+        free(scores);
+    }
+    if (rc) goto done;
+    if ((rc = selfspec_gemm(T, Q, H, att, 0, w->wo, 1, w->wo_packed, o, 0, nthreads))) goto done;
+    for (long t = 0; t < T; t++) {
+        float *r = o + t * H;
+        if (w->bo) for (long i = 0; i < H; i++) r[i] += w->bo[i];
+        if (d->sandwich) rmsnorm(r, w->post_attn_norm, r, H, d->eps);
+        for (long i = 0; i < H; i++) h[t * H + i] = f2bf(bf2f(h[t * H + i]) + r[i]);
+    }
+done:
+    free(x); free(qkv); free(att); free(o);
+    return rc;
+}
+
+int selfspec_mlp_block(const ss_dims *d, const ss_layer *w, uint16_t *h, long T, int nthreads) {
+    const long H = d->hidden, I = d->inter;
+    float *x = malloc(sizeof(float) * T * H);
+    float *gu = malloc(sizeof(float) * T * 2 * I);
+    float *a = malloc(sizeof(float) * T * I);
+    float *o = malloc(sizeof(float) * T * H);
+    int rc = 0;
+    if (!x || !gu || !a || !o) { rc = 1; goto done; }
+    for (long t = 0; t < T; t++) {
+        for (long i = 0; i < H; i++) x[t * H + i] = bf2f(h[t * H + i]);
+        rmsnorm(x + t * H, w->mlp_norm, x + t * H, H, d->eps);
+    }
+    if ((rc = selfspec_gemm(T, H, 2 * I, x, 0, w->w_gate_up, 1, w->gu_packed, gu, 0, nthreads))) goto done;
+    for (long t = 0; t < T; t++) {
+        float *r = gu + t * 2 * I;
+        if (w->b_gate_up) for (long i = 0; i < 2 * I; i++) r[i] += w->b_gate_up[i];
+        gated_activation(d->act, r, r + I, a + t * I, I);
+    }
+    if ((rc = selfspec_gemm(T, I, H, a, 0, w->w_down, 1, w->down_packed, o, 0, nthreads))) goto done;
+    for (long t = 0; t < T; t++) {
+        float *r = o + t * H;
+        if (w->b_down) for (long i = 0; i < H; i++) r[i] += w->b_down[i];
+        if (d->sandwich) rmsnorm(r, w->post_mlp_norm, r, H, d->eps);
+        for (long i = 0; i < H; i++) h[t * H + i] = f2bf(bf2f(h[t * H + i]) + r[i]);
+    }
+done:
+    free(x); free(gu); free(a); free(o);
+    return rc;
+}
