@@ -101,7 +101,7 @@ def ideal_section(console, dtype, max_new, n_prompts) -> list[dict]:
     for strategy, E, Ks in configs:
         m = ideal_model(dtype, list(range(E, 18)))
         ids_list = [_ids(p) for p in PROMPTS[:n_prompts]]
-        m.generate(ids_list[0], max_new_tokens=8)
+        m.generate(ids_list[0], max_new_tokens=8, strategy="autoregressive")
         for K in Ks:
             cfg = DraftConfig(strategy="early-exit", exit_layer=E, num_speculations=K)
             m.generate(ids_list[0], max_new_tokens=8, draft=cfg)
@@ -157,7 +157,7 @@ def transformers_section(console, dtype, max_new, n_prompts, E: int, K: int) -> 
     for cfg in cfgs.values():
         m.generate(ids_list[0], max_new_tokens=8, draft=cfg)
     for ids in ids_list:
-        ar = m.generate(ids, max_new_tokens=max_new).token_ids
+        ar = m.generate(ids, max_new_tokens=max_new, strategy="autoregressive").token_ids
         for name, cfg in cfgs.items():
             r = m.generate(ids, max_new_tokens=max_new, draft=cfg)
             tps[name].append(r.stats.tokens_per_second)
@@ -185,7 +185,7 @@ def transformers_section(console, dtype, max_new, n_prompts, E: int, K: int) -> 
 def peak_memory_child(strategy: str, dtype: str, max_new: int) -> None:
     m = selfspec.load("gemma-3-270m", dtype=dtype)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    kw = dict(strategy="early-exit", exit_layer=12, num_speculations=4) if strategy == "early-exit" else {}
+    kw = dict(strategy="early-exit", exit_layer=12, num_speculations=4) if strategy == "early-exit" else dict(strategy="autoregressive")
     m.generate(PROMPTS[0], max_new_tokens=max_new, **kw)
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(json.dumps({"strategy": strategy, "peak_rss_mb": after / 1024, "before_mb": before / 1024}))
