@@ -13,6 +13,10 @@ equals autoregressive output exactly, not just up to rounding):
     switch algorithms with the row count) and x padded to >= 2 rows: on the CPU
     BLAS, the M=1 (gemv) kernel rounds differently from M>=2, while M>=2 rows agree;
   * attention always spans the cache's full capacity under a mask (see cache.py).
+bf16 on an AVX-512 CPU takes a third path with the same guarantee by construction: one C call
+per attention / MLP sub-layer (kernels.FusedBlocks, csrc/blocks.c) whose matmuls are the
+fixed-chain kernel and whose attention loops over exactly the visible keys in order. It was
+~45% of a decode step's time to dispatch the ~60 small torch ops per layer it replaces.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from selfspec.architectures import ModelSpec, rotary_tables, weights_from_state_
 from selfspec import kernels
 from selfspec.cache import KVCache
 from selfspec.config import MAX_SPECULATIONS
+
+
+_MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
 
 
 def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -63,8 +70,8 @@ class Runtime:
         # CUDA every decode/verify matmul runs at one fixed row count (static shapes).
         self.min_rows = 2 if self.device.type == "cpu" else 2 * MAX_SPECULATIONS
         self._mm = _kernel_mm if self.uses_kernels else functools.partial(_torch_mm, min_rows=self.min_rows)
-        if self.uses_kernels:  # wide matrices stream ~1.5x faster as 64-column tiles (kernels.pack)
-            self.layers = [{k: self.prepare_weight(w) if k in ("w_gate_up",) else w for k, w in L.items()}
+        if self.uses_kernels:  # 64-column tiles (and bf16 pairs where the CPU has them): kernels.pack
+            self.layers = [{k: self.prepare_weight(w) if k in _MATRICES else w for k, w in L.items()}
                            for L in self.layers]
         rows = weights["head"]  # [V, H]
         self.head = kernels.pack_rows(rows) if self.uses_kernels else rows.t().contiguous()  # [H, V]
@@ -129,14 +136,19 @@ class Runtime:
 
     def head_columns(self, ids: torch.Tensor) -> torch.Tensor:
         """Columns `ids` of the LM head: [H, len(ids)]."""
-        if isinstance(self.head, kernels.PackedWeight):  # data [V/64, H, 64]
-            tile = self.head.data.shape[2]
-            return self.head.data[ids // tile, :, ids % tile].t()
+        if isinstance(self.head, kernels.PackedWeight):
+            return self.head.columns(ids)
         return self.head.index_select(1, ids)
 
+    def weight(self, i: int, name: str) -> torch.Tensor:
+        """Layer i's matrix `name` as a plain [in, out] tensor, whatever its stored layout."""
+        w = self.layers[i][name]
+        return w.unpack() if isinstance(w, kernels.PackedWeight) else w
+
     def prepare_weight(self, w: torch.Tensor):
-        """A [in, out] weight in the layout self._mm is fastest with (packed for the kernel)."""
-        return kernels.pack(w) if self.uses_kernels and w.shape[1] >= 4096 else w
+        """A [in, out] weight in the layout self._mm is fastest with (packed for the kernel:
+        contiguous 64-column tiles, bf16 pairs for VDPBF16PS where the CPU has it)."""
+        return kernels.pack(w) if self.uses_kernels else w
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # Both families normalise in fp32; Llama multiplies by w after casting back, Gemma before

@@ -23,7 +23,7 @@ def test_row_invariance_bitwise(k, n, xdt, wdt):
     x, w = _operands(k, n, xdt, wdt)
     full = kernels.matmul(x, w)
     assert full.dtype == xdt and full.shape == (17, n)
-    packed = kernels.pack(w)
+    packed = kernels.pack(w, pairs=False)  # plain tiles: the very same chain as plain w
     assert torch.equal(kernels.matmul(x, packed), full)
     for m in range(1, 18):
         assert torch.equal(kernels.matmul(x[:m], w), full[:m]), m
@@ -56,6 +56,36 @@ def test_close_to_float64(k, n, xdt, wdt):
     assert rel <= tol, rel
     torch_ref = (x.float() @ w.float()).to(xdt).double()
     assert ((y - torch_ref).abs() / scale).max().item() <= 2 * tol
+
+
+needs_pairs = pytest.mark.skipif(not kernels.has_pairs(), reason="no AVX512-BF16 pair path here")
+
+
+@needs_pairs
+@pytest.mark.parametrize("k,n", SHAPES)
+@pytest.mark.parametrize("xdt", [torch.bfloat16, torch.float32])
+def test_pairs_chain_is_row_invariant_and_matches_reference(k, n, xdt):
+    """The VDPBF16PS layout: every M (direct path below 13 rows, widened-scratch path from 13)
+    and thread count gives the bits of the scalar reference chain, denormals included."""
+    x, w = _operands(k, n, xdt, torch.bfloat16, m=20)
+    x[0, 0], w[0, 0] = 1e-39, 1e-39  # bf16 denormals: VDPBF16PS treats them as zero
+    p = kernels.pack(w)
+    assert p.pairs and p.data.shape == ((n + 63) // 64, (k + 1) // 2, 64, 2)
+    full = kernels.matmul(x, p)
+    ref = kernels._reference_pairs(x, w)
+    assert torch.equal(full, ref.to(xdt))
+    for m in range(1, 21):
+        assert torch.equal(kernels.matmul(x[:m], p), full[:m]), m
+        assert torch.equal(kernels.matmul(x[m - 1 : m], p, num_threads=1), full[m - 1 : m]), m
+    # the layout round-trips, and column gathers (the tied embedding) need no unpacking
+    assert torch.equal(p.unpack(), w)
+    ids = torch.tensor([0, n // 2, n - 1])
+    assert torch.equal(p.columns(ids), w[:, ids])
+    assert torch.equal(kernels.pack_rows(w.t().contiguous()).data, p.data)
+    # close to exact arithmetic: x rounded to bf16, then an fp32 accumulation
+    exact = x.bfloat16().double() @ w.double()
+    scale = (x.double().abs() @ w.double().abs()).clamp_min(1e-30)
+    assert ((full.double() - exact).abs() / scale).max().item() <= (2**-8 if xdt == torch.bfloat16 else 0) + k * 2**-24
 
 
 @needs_kernels

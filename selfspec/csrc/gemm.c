@@ -34,6 +34,12 @@
 #ifndef PF
 #define PF 16  /* prefetch distance in k rows */
 #endif
+#ifndef PFP
+#define PFP 16  /* prefetch distance in pair rows (pair path) */
+#endif
+#ifndef PAIRS_MANY_MIN
+#define PAIRS_MANY_MIN 13  /* pair path: rows from which the widened-scratch path pays (measured) */
+#endif
 #ifndef DIRECT_ONLY
 #define DIRECT_ONLY 0  /* 1: never use the many-row path (same bits, for testing/benchmarks) */
 #endif
@@ -178,6 +184,119 @@ static void tile_bf16_many(long M, long K, const float *xf, const uint16_t *wt, 
             store_out(y, y_bf16, m * ldy + n0 + 16 * j, _mm512_loadu_ps(accbuf + m * NT + 16 * j), mk[j]);
 }
 
+#ifdef __AVX512BF16__
+/* Pair layout (packed == 2, bf16 only): wp[NB][K2][64][2], K2 = ceil(K / 2): for tile t,
+ * pair-row k2 and column c, (w[2 k2, 64 t + c], w[2 k2 + 1, 64 t + c]) are adjacent, so one
+ * VDPBF16PS per 16 columns consumes two k. x is rounded to bf16 and paired the same way.
+ * Chain per output (Intel's definition of VDPBF16PS, products of bf16 exact in fp32,
+ * denormals treated as zero and flushed, round to nearest even):
+ *   acc = +0; for k2 = 0..K2-1: acc += x[2k2+1] w[2k2+1]; acc += x[2k2] w[2k2]
+ * Still one fixed chain per element: row- and thread-invariant like the FMA path, with
+ * half the instructions and no widening, which is what matters once M > 1 (verification)
+ * makes the FMA path compute-bound. */
+static inline __attribute__((always_inline)) void tile_pairs(
+    const int R, long K2, const uint32_t *xr, const uint16_t *wt,
+    void *y, int y_bf16, long ldy, long m0, long n0, const __mmask16 mk[4]) {
+    __m512 acc[MR][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
+    for (long k = 0; k < K2; k++) {
+        const uint16_t *wk = wt + k * 2 * NT;
+        for (int c = 0; c < 4; c++) _mm_prefetch((const char *)(wk + PFP * 2 * NT) + 64 * c, _MM_HINT_T0);
+        __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32);
+        __m512bh w2 = (__m512bh)_mm512_loadu_si512(wk + 64), w3 = (__m512bh)_mm512_loadu_si512(wk + 96);
+        for (int r = 0; r < R; r++) {
+            __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xr[r * K2 + k]);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xb);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xb);
+            acc[r][2] = _mm512_dpbf16_ps(acc[r][2], w2, xb);
+            acc[r][3] = _mm512_dpbf16_ps(acc[r][3], w3, xb);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) store_out(y, y_bf16, (m0 + r) * ldy + n0 + 16 * j, acc[r][j], mk[j]);
+}
+#endif
+
+/* Many-row pair path (M > MR): VDPBF16PS issues at about half the FMA rate here, so once M
+ * amortises the widening, the same chain is cheaper as two FMAs per pair from an L1 fp32
+ * scratch (odd term first, then even, as VDPBF16PS), with MXCSR DAZ|FTZ set so denormals are
+ * handled as the instruction handles them. Same bits as tile_pairs (tested). */
+#define KC2 64
+static inline __attribute__((always_inline)) void pair_rows(
+    const int R, long K2, long k0, long kn, long m0, const float *xe, const float *xo, const float *ws, float *accbuf) {
+    float *ab = accbuf + m0 * NT;
+    __m512 acc[MR][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++)
+            acc[r][j] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(ab + r * NT + 16 * j);
+    for (long k = 0; k < kn; k++) {
+        const float *we = ws + k * 2 * NT, *wo = we + NT;
+        long xi = m0 * K2 + k0 + k;
+        /* odd terms for every row, then even terms: 24 accumulators + 4 weights fit the
+         * 32 vector registers; each element's chain order is unchanged */
+        __m512 w0 = _mm512_load_ps(wo), w1 = _mm512_load_ps(wo + 16), w2 = _mm512_load_ps(wo + 32), w3 = _mm512_load_ps(wo + 48);
+        for (int r = 0; r < R; r++) {
+            __m512 xb = _mm512_set1_ps(xo[xi + r * K2]);
+            acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
+            acc[r][2] = _mm512_fmadd_ps(xb, w2, acc[r][2]);
+            acc[r][3] = _mm512_fmadd_ps(xb, w3, acc[r][3]);
+        }
+        w0 = _mm512_load_ps(we); w1 = _mm512_load_ps(we + 16); w2 = _mm512_load_ps(we + 32); w3 = _mm512_load_ps(we + 48);
+        for (int r = 0; r < R; r++) {
+            __m512 xb = _mm512_set1_ps(xe[xi + r * K2]);
+            acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
+            acc[r][2] = _mm512_fmadd_ps(xb, w2, acc[r][2]);
+            acc[r][3] = _mm512_fmadd_ps(xb, w3, acc[r][3]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) _mm512_storeu_ps(ab + r * NT + 16 * j, acc[r][j]);
+}
+
+static void tile_pairs_many(long M, long K2, const float *xe, const float *xo, const uint16_t *wt,
+                            void *y, int y_bf16, long ldy, long n0, const __mmask16 mk[4], float *accbuf) {
+    float ws[KC2 * 2 * NT] __attribute__((aligned(64)));  /* per pair row: 64 even, then 64 odd */
+    for (long k0 = 0; k0 < K2; k0 += KC2) {
+        long kn = K2 - k0 < KC2 ? K2 - k0 : KC2;
+        for (long k = 0; k < kn; k++) {
+            const uint16_t *wk = wt + (k0 + k) * 2 * NT;
+            _mm_prefetch((const char *)(wk + PFP * 2 * NT), _MM_HINT_T0);
+            for (int j = 0; j < 4; j++) {
+                __m512i pr = _mm512_loadu_si512(wk + 32 * j);  /* 16 x (even, odd) bf16 */
+                __m512 ev = _mm512_castsi512_ps(_mm512_slli_epi32(pr, 16));
+                __m512 od = _mm512_castsi512_ps(_mm512_and_si512(pr, _mm512_set1_epi32((int)0xFFFF0000u)));
+                _mm512_store_ps(ws + k * 2 * NT + 16 * j, ev);
+                _mm512_store_ps(ws + k * 2 * NT + NT + 16 * j, od);
+            }
+        }
+        for (long m0 = 0; m0 < M; m0 += MR) {
+            switch (M - m0 < MR ? M - m0 : MR) {
+            case 6: pair_rows(6, K2, k0, kn, m0, xe, xo, ws, accbuf); break;
+            case 5: pair_rows(5, K2, k0, kn, m0, xe, xo, ws, accbuf); break;
+            case 4: pair_rows(4, K2, k0, kn, m0, xe, xo, ws, accbuf); break;
+            case 3: pair_rows(3, K2, k0, kn, m0, xe, xo, ws, accbuf); break;
+            case 2: pair_rows(2, K2, k0, kn, m0, xe, xo, ws, accbuf); break;
+            default: pair_rows(1, K2, k0, kn, m0, xe, xo, ws, accbuf); break;
+            }
+        }
+    }
+    for (long m = 0; m < M; m++)
+        for (int j = 0; j < 4; j++)
+            store_out(y, y_bf16, m * ldy + n0 + 16 * j, _mm512_loadu_ps(accbuf + m * NT + 16 * j), mk[j]);
+}
+
+/* 1 if this build has the pair (VDPBF16PS) path. */
+int selfspec_has_pairs(void) {
+#ifdef __AVX512BF16__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 static void tile_masks(long n0, long N, __mmask16 mk[4]) {
     for (int j = 0; j < 4; j++) {
         long left = N - (n0 + 16 * j);
@@ -185,13 +304,102 @@ static void tile_masks(long n0, long N, __mmask16 mk[4]) {
     }
 }
 
+static int gemm_pairs(long M, long K, long N, const void *x, int x_bf16, const uint16_t *w, int w_bf16,
+                      void *y, int y_bf16, int nthreads) {
+#ifndef __AVX512BF16__
+    (void)M; (void)K; (void)N; (void)x; (void)x_bf16; (void)w; (void)w_bf16; (void)y; (void)y_bf16; (void)nthreads;
+    return 4;
+#else
+    if (!w_bf16) return 5;
+    long K2 = (K + 1) / 2;
+    uint32_t stackbuf[8192];
+    uint32_t *xp = (M * K2 <= (long)(sizeof(stackbuf) / 4)) ? stackbuf : (uint32_t *)malloc(sizeof(uint32_t) * M * K2);
+    if (!xp) return 1;
+    for (long m = 0; m < M; m++)
+        for (long k2 = 0; k2 < K2; k2++) {
+            uint16_t lo, hi = 0;
+            long k = 2 * k2;
+            if (x_bf16) {
+                const uint16_t *xb = (const uint16_t *)x + m * K;
+                lo = xb[k]; if (k + 1 < K) hi = xb[k + 1];
+            } else {
+                const float *xf = (const float *)x + m * K;
+                lo = f32_to_bf16(xf[k]); if (k + 1 < K) hi = f32_to_bf16(xf[k + 1]);
+            }
+            xp[m * K2 + k2] = (uint32_t)lo | ((uint32_t)hi << 16);
+        }
+    /* M > MR: fp32 copies of the even / odd x (DAZ applies to them inside the FMAs) */
+    float *xe = NULL, *xo = NULL;
+    if (M >= PAIRS_MANY_MIN && !DIRECT_ONLY) {
+        xe = (float *)malloc(sizeof(float) * M * K2 * 2);
+        if (!xe) { if (xp != stackbuf) free(xp); return 1; }
+        xo = xe + M * K2;
+        for (long i = 0; i < M * K2; i++) {
+            xe[i] = bf16_to_f32((uint16_t)(xp[i] & 0xFFFFu));
+            xo[i] = bf16_to_f32((uint16_t)(xp[i] >> 16));
+        }
+    }
+    long ntiles = (N + NT - 1) / NT;
+    int nt = nthreads;
+#ifdef _OPENMP
+    if (nt <= 0) nt = omp_get_max_threads();
+    if (ntiles < nt) nt = (int)ntiles;
+    if (nt < 1) nt = 1;
+#endif
+    int failed = 0;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt)
+#endif
+    {
+    float *accbuf = NULL;
+    unsigned int csr = _mm_getcsr();
+    if (xe) {
+        _mm_setcsr(csr | 0x8040u);  /* FTZ | DAZ, as VDPBF16PS */
+        accbuf = (float *)aligned_alloc(64, sizeof(float) * NT * ((M + 15) / 16 * 16));
+        if (!accbuf) failed = 1;
+    }
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+    for (long t = 0; t < ntiles; t++) {
+        long n0 = t * NT;
+        __mmask16 mk[4];
+        tile_masks(n0, N, mk);
+        const uint16_t *wt = w + t * K2 * 2 * NT;
+        if (xe) {
+            if (accbuf) tile_pairs_many(M, K2, xe, xo, wt, y, y_bf16, N, n0, mk, accbuf);
+            continue;
+        }
+        for (long m0 = 0; m0 < M; m0 += MR) {
+            const uint32_t *xr = xp + m0 * K2;
+            switch (M - m0 < MR ? M - m0 : MR) {
+            case 6: tile_pairs(6, K2, xr, wt, y, y_bf16, N, m0, n0, mk); break;
+            case 5: tile_pairs(5, K2, xr, wt, y, y_bf16, N, m0, n0, mk); break;
+            case 4: tile_pairs(4, K2, xr, wt, y, y_bf16, N, m0, n0, mk); break;
+            case 3: tile_pairs(3, K2, xr, wt, y, y_bf16, N, m0, n0, mk); break;
+            case 2: tile_pairs(2, K2, xr, wt, y, y_bf16, N, m0, n0, mk); break;
+            default: tile_pairs(1, K2, xr, wt, y, y_bf16, N, m0, n0, mk); break;
+            }
+        }
+    }
+    if (xe) _mm_setcsr(csr);
+    free(accbuf);
+    }
+    free(xe);
+    if (xp != stackbuf) free(xp);
+    return failed;
+#endif
+}
+
 /* x: [M, K] (x_bf16 ? bf16 : fp32), contiguous.  y: [M, N] (y_bf16 ? bf16 : fp32).
- * w: plain (packed=0): [K, N] contiguous; packed (packed=1): [ceil(N/64), K, 64].
+ * w: plain (packed=0): [K, N] contiguous; packed (packed=1): [ceil(N/64), K, 64];
+ * pairs (packed=2, bf16 only): [ceil(N/64), ceil(K/2), 64, 2] (see tile_pairs).
  * w_bf16: weight dtype. nthreads <= 0: OpenMP default. Returns 0 on success. */
 int selfspec_gemm(long M, long K, long N, const void *x, int x_bf16, const void *w, int w_bf16,
                   int packed, void *y, int y_bf16, int nthreads) {
     if (M <= 0 || N <= 0) return 0;
     if (K <= 0) return 2; /* caller handles K == 0 (all-zero output) */
+    if (packed == 2) return gemm_pairs(M, K, N, x, x_bf16, (const uint16_t *)w, w_bf16, y, y_bf16, nthreads);
     float stackbuf[16384];
     float *xf = (M * K <= (long)(sizeof(stackbuf) / 4)) ? stackbuf : (float *)malloc(sizeof(float) * M * K);
     if (!xf) return 1;
@@ -261,6 +469,26 @@ int selfspec_gemm_ref(long M, long K, long N, const float *xf, const uint16_t *w
         for (long n = 0; n < N; n++) {
             float acc = 0.0f;
             for (long k = 0; k < K; k++) acc = fmaf(xf[m * K + k], bf16_to_f32(w[k * N + n]), acc);
+            y[m * N + n] = acc;
+        }
+    return 0;
+}
+
+/* Scalar reference of the pair chain (tests only): fp32 x rounded to bf16, bf16 plain w [K, N],
+ * per k2: odd term then even term, each an fmaf, with denormal inputs and results flushed to
+ * zero as VDPBF16PS does. */
+static inline float ftz(float f) { return fpclassify(f) == FP_SUBNORMAL ? copysignf(0.0f, f) : f; }
+int selfspec_gemm_pairs_ref(long M, long K, long N, const float *xf, const uint16_t *w, float *y) {
+    for (long m = 0; m < M; m++)
+        for (long n = 0; n < N; n++) {
+            float acc = 0.0f;
+            for (long k = 0; k < K; k += 2) {
+                float x0 = ftz(bf16_to_f32(f32_to_bf16(xf[m * K + k]))), w0 = ftz(bf16_to_f32(w[k * N + n]));
+                float x1 = 0.0f, w1 = 0.0f;
+                if (k + 1 < K) { x1 = ftz(bf16_to_f32(f32_to_bf16(xf[m * K + k + 1]))); w1 = ftz(bf16_to_f32(w[(k + 1) * N + n])); }
+                acc = ftz(fmaf(x1, w1, acc));
+                acc = ftz(fmaf(x0, w0, acc));
+            }
             y[m * N + n] = acc;
         }
     return 0;
