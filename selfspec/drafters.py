@@ -17,6 +17,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from selfspec import kernels
+
 from selfspec.cache import KVCache
 from selfspec.config import DraftConfig, SamplingConfig
 from selfspec.errors import SelfSpecError
@@ -194,9 +196,21 @@ class ExitAdapterDrafter(EarlyExitDrafter):
             raise SelfSpecError("exit-adapter strategy needs a loaded adapter")
         super().__init__(runtime, cfg, eos_ids)
         self.adapter = adapter
+        # bf16 CPU runtime: the block's two matmuls through the kernel with bf16 (packed) copies
+        # of up/down (~0.1 ms per draft token instead of ~4 ms of fp32 torch ops). Only the
+        # drafts change, never the verified output.
+        self._fast = None
+        if runtime.uses_kernels:
+            self._fast = tuple(runtime.prepare_weight(w.detach().to(runtime.dtype).contiguous())
+                               for w in (adapter.up, adapter.down))
 
     def _head_input(self, h: torch.Tensor) -> torch.Tensor:
-        return self.adapter(h)
+        if self._fast is None:
+            return self.adapter(h)
+        up, down = self._fast
+        a = self.adapter
+        x = torch.nn.functional.rms_norm(h.float(), (h.shape[-1],), a.norm, a.meta.eps)
+        return (h.float() + kernels.matmul(torch.nn.functional.silu(kernels.matmul(x, up)), down)).to(h.dtype)
 
 
 class LayerSkipDrafter(Drafter):

@@ -288,6 +288,28 @@ def test_exit_adapter_is_lossless(zoo, tmp_path, arch):
         assert s.token_ids == s2.token_ids
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_exit_adapter_bfloat16_fast_path(zoo, tmp_path, arch):
+    """On the bf16 kernel runtime the adapter's matmuls go through the kernel with bf16 copies
+    of its weights: the same function up to bf16 rounding, and still lossless."""
+    from selfspec.drafters import ExitAdapterDrafter
+
+    _, m = zoo.get(arch, dtype="bfloat16")
+    a = _adapter(m)
+    path = tmp_path / "adapter.safetensors"
+    save_adapter(a, path)
+    d = ExitAdapterDrafter(m.runtime, DraftConfig("exit-adapter", exit_layer=2, adapter=str(path)), adapter=a)
+    assert (d._fast is not None) == m.runtime.uses_kernels
+    h = torch.randn(3, m.spec.hidden_size).to(torch.bfloat16)
+    with torch.inference_mode():
+        fast, ref = d._head_input(h).float(), a(h).float()
+    assert (fast - ref).abs().max().item() <= 0.03 * ref.abs().max().item()
+    for p in prompts(n=2, lengths=(7, 12)):
+        ar = m.generate(p, max_new_tokens=N_NEW, strategy="autoregressive")
+        out = m.generate(p, max_new_tokens=N_NEW, strategy="exit-adapter", adapter=str(path), num_speculations=3)
+        assert out.token_ids == ar.token_ids
+
+
 def test_untrained_adapter_equals_plain_early_exit(zoo, tmp_path):
     _, m = zoo.get("llama")
     a = ExitAdapter(AdapterMeta(exit_layer=2, hidden_size=m.spec.hidden_size, inner_size=8, model_fingerprint=m.fingerprint))
