@@ -66,6 +66,7 @@ _DTYPES = (torch.bfloat16, torch.float32)
 
 _lock = threading.Lock()
 _lib = None  # ctypes function, or False once loading failed
+_build_id: str | None = None  # hash of sources, flags, compiler and CPU (names the build)
 _blocks: dict = {}  # "attn" / "mlp" -> fused sub-layer functions of the same library
 _load_error: str | None = None
 
@@ -100,7 +101,9 @@ def _build() -> Path:
                  " ".join(sorted(_cpu_flags())).encode()):
         h.update(part)
         h.update(b"\0")
-    out_dir = _cache_root() / h.hexdigest()[:20]
+    global _build_id
+    _build_id = h.hexdigest()[:20]
+    out_dir = _cache_root() / _build_id
     lib = out_dir / "libgemm.so"
     if lib.exists():
         return lib
@@ -161,6 +164,11 @@ def available() -> bool:
     if os.environ.get("SELFSPEC_NO_KERNELS", "") not in ("", "0"):
         return False
     return _load() is not None
+
+
+def build_id() -> str | None:
+    """The loaded kernel build's id (changes with the C sources), None when not available()."""
+    return _build_id if available() else None
 
 
 def load_error() -> str | None:

@@ -19,6 +19,7 @@ from selfspec.drafters import Drafter, make_drafter
 from selfspec.engine import GenerationResult, StreamEvent, generate
 from selfspec.errors import SelfSpecError
 from selfspec.profiles import Profile, load_profile
+from selfspec import kernels
 from selfspec.runtime import Runtime
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -186,7 +187,7 @@ class SelfSpecModel:
         import platform
 
         rt = self.runtime
-        return {"model": self.fingerprint, "dtype": str(rt.dtype), "device": str(rt.device), "kernels": rt.uses_kernels,
+        return {"model": self.fingerprint, "dtype": str(rt.dtype), "device": str(rt.device), "kernels": kernels.build_id() if rt.uses_kernels else False,
                 "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),
                 "cpu": platform.processor(), "draft_vocabs": list(vocabs)}
 
