@@ -285,3 +285,19 @@ def test_fused_blocks_agree_with_torch_ops(arch):
     ref = hf_logits(hf, ids.tolist())
     fused_err, plain_err = (fused - ref).abs().max().item(), (plain - ref).abs().max().item()
     assert fused_err <= plain_err + 0.05, f"{arch}: fused error {fused_err} vs op-by-op {plain_err}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_long_prefill_rows_equal_split_and_single_steps(zoo, arch):
+    """Prefill-sized passes (over 64 rows: the fused attention works in 64-row chunks and the
+    kernel switches to its many-row path) give the bits of shorter passes and of single steps."""
+    _, model = zoo.get(arch, dtype="bfloat16")
+    rt = model.runtime
+    seq = torch.tensor(prompts(n=1, lengths=(150,), seed=9)[0])
+    with torch.inference_mode():
+        one, split = rt.new_cache(160), rt.new_cache(160)
+        whole = rt.forward(seq, 0, one)
+        parts = torch.cat([rt.forward(seq[:70], 0, split), rt.forward(seq[70:140], 70, split)]
+                          + [rt.forward(seq[i : i + 1], i, split) for i in range(140, 150)])
+    assert torch.equal(whole, parts)
+    assert torch.equal(one.kt, split.kt) and torch.equal(one.v, split.v)

@@ -10,7 +10,7 @@
  * construction: each row is computed independently with fixed-order reductions, the matmuls
  * use selfspec_gemm (one FMA chain per output, see gemm.c), and a row's attention reads its
  * keys/values back from the bf16 cache (also the ones this call just wrote), loops over keys
- * lo..p in increasing order, and never looks at T.
+ * lo..p in increasing order, and never looks at T (see attend_rows).
  *
  * Reductions used (each a fixed function of the row alone):
  *   sum of squares: 16 fp32 lanes over i = lane (mod 16), then lanes added 0..15 in order.
@@ -123,46 +123,105 @@ static void gated_activation(int act, const float *gate, const float *up, float 
     }
 }
 
-/* One (row, query head): q [D] fp32 -> out [D] fp32 over keys lo..p of kv head kt/vc. */
-static void attend_one(const float *q, const uint16_t *kt, const uint16_t *vc, long cap, long D,
-                       long lo, long p, float scale, float *scores, float *out) {
-    long n = p - lo + 1;
-    for (long j0 = 0; j0 < n; j0 += 16) {
-        long left = n - j0;
-        __mmask16 mk = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-        __m512 acc = _mm512_setzero_ps();
-        const uint16_t *kp = kt + lo + j0;
-        for (long d = 0; d < D; d++) {
-            __m256i hv = _mm256_maskz_loadu_epi16(mk, kp + d * cap);
-            __m512 kv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hv), 16));
-            acc = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), kv, acc);
-        }
-        _mm512_mask_storeu_ps(scores + j0, mk, _mm512_mul_ps(acc, _mm512_set1_ps(scale)));
-    }
-    float m = -INFINITY;
-    for (long j = 0; j < n; j++) m = scores[j] > m ? scores[j] : m;
-    float z = 0.0f;
-    for (long j = 0; j < n; j++) { scores[j] = expf(scores[j] - m); z += scores[j]; }
-    for (long d0 = 0; d0 < D; d0 += 64) {
-        long dl = D - d0 < 64 ? D - d0 : 64;
-        __mmask16 mk[4];
-        for (int c = 0; c < 4; c++) {
-            long left = dl - 16 * c;
-            mk[c] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
-        }
-        __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-        for (long j = 0; j < n; j++) {
-            const uint16_t *vp = vc + (lo + j) * D + d0;
-            __m512 e = _mm512_set1_ps(scores[j]);
-            for (int c = 0; c < 4; c++) {
-                __m256i hv = _mm256_maskz_loadu_epi16(mk[c], vp + 16 * c);
-                __m512 vv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hv), 16));
-                a[c] = _mm512_fmadd_ps(e, vv, a[c]);
+/* Attention for query rows t = t0..t1-1 (all heads), in three phases that each split over
+ * threads without changing any chain:
+ *   1. scores over the union of the rows' key ranges, one pass over the keys per kv head:
+ *      each 16-key slice of K is loaded once per d and used by up to 8 query rows (the
+ *      g query heads sharing a kv head, and the T rows); work items = (kv head, key block);
+ *   2. per row: max, e_j = expf(s_j - m), Z summed in key order, over its own keys only;
+ *   3. per (row, 64-wide slice of d): out = sum_j e_j v_j in key order, / Z.
+ * Scores a row computes for keys outside its range are never read. */
+#define ROWS_PER_PASS 8
+static int attend_rows(const float *qkv, long W, float *att, long Q, long t0, long t1, long pos, long window,
+                       const uint16_t *kt, const uint16_t *vc, long cap, long D, long nh, long nkv,
+                       float scale, int nt) {
+    const long g = nh / nkv, nt_rows = t1 - t0, R = nt_rows * nh;
+    long p_hi = pos + t1 - 1;
+    long lo0 = (window > 0 && pos + t0 - window + 1 > 0) ? pos + t0 - window + 1 : 0;  /* smallest lo */
+    long span = p_hi - lo0 + 1, nblk = (span + 15) / 16;
+    float *sc = malloc(sizeof(float) * (R * (nblk * 16) + R));
+    if (!sc) return 1;
+    float *zs = sc + R * nblk * 16;
+    long ld = nblk * 16;
+    (void)nt;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt)
+#endif
+    {
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (long item = 0; item < nkv * nblk; item++) {
+            long kvh = item / nblk, b = item % nblk, j0 = lo0 + 16 * b;
+            long left = p_hi + 1 - j0;
+            __mmask16 mk = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+            const uint16_t *kp = kt + kvh * D * cap + j0;
+            long nrows = nt_rows * g;  /* rows of this kv head: (t, a) with a in kvh*g .. kvh*g+g-1 */
+            for (long r0 = 0; r0 < nrows; r0 += ROWS_PER_PASS) {
+                int rc = nrows - r0 < ROWS_PER_PASS ? (int)(nrows - r0) : ROWS_PER_PASS;
+                const float *qp[ROWS_PER_PASS];
+                long ri[ROWS_PER_PASS];
+                for (int r = 0; r < rc; r++) {
+                    long t = (r0 + r) / g, a = kvh * g + (r0 + r) % g;
+                    qp[r] = qkv + (t0 + t) * W + a * D;
+                    ri[r] = t * nh + a;
+                }
+                __m512 acc[ROWS_PER_PASS];
+                for (int r = 0; r < rc; r++) acc[r] = _mm512_setzero_ps();
+                for (long e = 0; e < D; e++) {
+                    __m256i hv = _mm256_maskz_loadu_epi16(mk, kp + e * cap);
+                    __m512 kv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hv), 16));
+                    for (int r = 0; r < rc; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(qp[r][e]), kv, acc[r]);
+                }
+                for (int r = 0; r < rc; r++)
+                    _mm512_mask_storeu_ps(sc + ri[r] * ld + 16 * b, mk, _mm512_mul_ps(acc[r], _mm512_set1_ps(scale)));
             }
         }
-        __m512 zz = _mm512_set1_ps(z);
-        for (int c = 0; c < 4; c++) _mm512_mask_storeu_ps(out + d0 + 16 * c, mk[c], _mm512_div_ps(a[c], zz));
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (long r = 0; r < R; r++) {
+            long t = r / nh, p = pos + t0 + t;
+            long lo = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
+            float *s = sc + r * ld + (lo - lo0);
+            long n = p - lo + 1;
+            float m = -INFINITY, z = 0.0f;
+            for (long j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
+            for (long j = 0; j < n; j++) { s[j] = expf(s[j] - m); z += s[j]; }
+            zs[r] = z;
+        }
+        long nd = (D + 63) / 64;
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (long item = 0; item < R * nd; item++) {
+            long r = item / nd, d0 = 64 * (item % nd);
+            long t = r / nh, a = r % nh, kvh = a / g, p = pos + t0 + t;
+            long lo = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
+            const float *s = sc + r * ld + (lo - lo0);
+            long n = p - lo + 1, dl = D - d0 < 64 ? D - d0 : 64;
+            __mmask16 mk[4];
+            for (int c = 0; c < 4; c++) {
+                long lft = dl - 16 * c;
+                mk[c] = lft >= 16 ? (__mmask16)0xFFFF : lft <= 0 ? 0 : (__mmask16)((1u << lft) - 1);
+            }
+            __m512 acc4[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+            const uint16_t *vb = vc + kvh * cap * D + lo * D + d0;
+            for (long j = 0; j < n; j++) {
+                __m512 e = _mm512_set1_ps(s[j]);
+                for (int c = 0; c < 4; c++) {
+                    __m256i hv = _mm256_maskz_loadu_epi16(mk[c], vb + j * D + 16 * c);
+                    __m512 vv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hv), 16));
+                    acc4[c] = _mm512_fmadd_ps(e, vv, acc4[c]);
+                }
+            }
+            __m512 zz = _mm512_set1_ps(zs[r]);
+            float *out = att + (t0 + t) * Q + a * D + d0;
+            for (int c = 0; c < 4; c++) _mm512_mask_storeu_ps(out + 16 * c, mk[c], _mm512_div_ps(acc4[c], zz));
+        }
     }
+    free(sc);
+    return 0;
 }
 
 /* h [T, hidden] bf16 at positions pos..pos+T-1 (updated in place). kt: this layer's keys
@@ -172,7 +231,7 @@ int selfspec_attn_block(const ss_dims *d, const ss_layer *w, uint16_t *h, long T
                         uint16_t *kt, uint16_t *vc, long cap, long window,
                         const float *cos, const float *sin, int nthreads) {
     const long H = d->hidden, nh = d->heads, nkv = d->kv_heads, D = d->head_dim;
-    const long Q = nh * D, KV = nkv * D, W = Q + 2 * KV, g = nh / nkv;
+    const long Q = nh * D, KV = nkv * D, W = Q + 2 * KV;
     if (pos + T > cap) return 3;
     float *x = malloc(sizeof(float) * T * H);
     float *qkv = malloc(sizeof(float) * T * W);
@@ -204,26 +263,14 @@ int selfspec_attn_block(const ss_dims *d, const ss_layer *w, uint16_t *h, long T
             }
         }
     }
-    /* work ~ rows x heads x keys x D: only fan out when it is worth a parallel region */
-    long keys = pos + T, pairs = T * nh;
+    /* work ~ rows x heads x keys x D: fan out only when it outweighs a parallel region's
+     * start (~10 us); query rows go in chunks so the score buffer stays small in a prefill */
     int nt = nthreads > 0 ? nthreads : 1;
-    if ((double)pairs * (double)keys * (double)D < 4e6) nt = 1;
-#ifdef _OPENMP
-#pragma omp parallel num_threads(nt)
-#endif
-    {
-        float *scores = malloc(sizeof(float) * (keys + 16));
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-        for (long i = 0; i < pairs; i++) {
-            long t = i / nh, a = i % nh, kvh = a / g, p = pos + t;
-            long lo = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
-            if (scores) attend_one(qkv + t * W + a * D, kt + kvh * D * cap, vc + kvh * cap * D, cap, D,
-                                   lo, p, d->attn_scale, scores, att + t * Q + a * D);
-        }
-        if (!scores) rc = 1;
-        free(scores);
+    for (long t0 = 0; t0 < T && !rc; t0 += 64) {
+        long t1 = T - t0 < 64 ? T : t0 + 64;
+        double work = (double)(t1 - t0) * (double)nh * (double)(pos + t1) * (double)D;
+        rc = attend_rows(qkv, W, att, Q, t0, t1, pos, window, kt, vc, cap, D, nh, nkv, d->attn_scale,
+                         work < 2.5e5 ? 1 : nt);
     }
     if (rc) goto done;
     if ((rc = selfspec_gemm(T, Q, H, att, 0, w->wo, 1, w->wo_packed, o, 0, nthreads))) goto done;
