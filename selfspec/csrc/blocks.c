@@ -123,6 +123,24 @@ static void gated_activation(int act, const float *gate, const float *up, float 
     }
 }
 
+/* x[t] = norm(float(h[t])) for every row */
+static void norm_rows(const uint16_t *h, float *x, long T, long H, const float *w, float eps) {
+    for (long t = 0; t < T; t++) {
+        for (long i = 0; i < H; i++) x[t * H + i] = bf2f(h[t * H + i]);
+        rmsnorm(x + t * H, w, x + t * H, H, eps);
+    }
+}
+
+/* h[t] = bf16(float(h[t]) + post_norm(o[t] + bias)); bias and post_norm may be NULL */
+static void add_residual(uint16_t *h, float *o, long T, long H, const float *bias, const float *post_norm, float eps) {
+    for (long t = 0; t < T; t++) {
+        float *r = o + t * H;
+        if (bias) for (long i = 0; i < H; i++) r[i] += bias[i];
+        if (post_norm) rmsnorm(r, post_norm, r, H, eps);
+        for (long i = 0; i < H; i++) h[t * H + i] = f2bf(bf2f(h[t * H + i]) + r[i]);
+    }
+}
+
 /* Attention for query rows t = t0..t1-1 (all heads), in three phases that each split over
  * threads without changing any chain:
  *   1. scores over the union of the rows' key ranges, one pass over the keys per kv head:
@@ -239,10 +257,7 @@ int selfspec_attn_block(const ss_dims *d, const ss_layer *w, uint16_t *h, long T
     float *o = malloc(sizeof(float) * T * H);
     int rc = 0;
     if (!x || !qkv || !att || !o) { rc = 1; goto done; }
-    for (long t = 0; t < T; t++) {
-        for (long i = 0; i < H; i++) x[t * H + i] = bf2f(h[t * H + i]);
-        rmsnorm(x + t * H, w->attn_norm, x + t * H, H, d->eps);
-    }
+    norm_rows(h, x, T, H, w->attn_norm, d->eps);
     if ((rc = selfspec_gemm(T, H, W, x, 0, w->wqkv, 1, w->wqkv_packed, qkv, 0, nthreads))) goto done;
     for (long t = 0; t < T; t++) {
         float *r = qkv + t * W;
@@ -274,12 +289,7 @@ int selfspec_attn_block(const ss_dims *d, const ss_layer *w, uint16_t *h, long T
     }
     if (rc) goto done;
     if ((rc = selfspec_gemm(T, Q, H, att, 0, w->wo, 1, w->wo_packed, o, 0, nthreads))) goto done;
-    for (long t = 0; t < T; t++) {
-        float *r = o + t * H;
-        if (w->bo) for (long i = 0; i < H; i++) r[i] += w->bo[i];
-        if (d->sandwich) rmsnorm(r, w->post_attn_norm, r, H, d->eps);
-        for (long i = 0; i < H; i++) h[t * H + i] = f2bf(bf2f(h[t * H + i]) + r[i]);
-    }
+    add_residual(h, o, T, H, w->bo, d->sandwich ? w->post_attn_norm : NULL, d->eps);
 done:
     free(x); free(qkv); free(att); free(o);
     return rc;
@@ -293,10 +303,7 @@ int selfspec_mlp_block(const ss_dims *d, const ss_layer *w, uint16_t *h, long T,
     float *o = malloc(sizeof(float) * T * H);
     int rc = 0;
     if (!x || !gu || !a || !o) { rc = 1; goto done; }
-    for (long t = 0; t < T; t++) {
-        for (long i = 0; i < H; i++) x[t * H + i] = bf2f(h[t * H + i]);
-        rmsnorm(x + t * H, w->mlp_norm, x + t * H, H, d->eps);
-    }
+    norm_rows(h, x, T, H, w->mlp_norm, d->eps);
     if ((rc = selfspec_gemm(T, H, 2 * I, x, 0, w->w_gate_up, 1, w->gu_packed, gu, 0, nthreads))) goto done;
     for (long t = 0; t < T; t++) {
         float *r = gu + t * 2 * I;
@@ -304,12 +311,7 @@ int selfspec_mlp_block(const ss_dims *d, const ss_layer *w, uint16_t *h, long T,
         gated_activation(d->act, r, r + I, a + t * I, I);
     }
     if ((rc = selfspec_gemm(T, I, H, a, 0, w->w_down, 1, w->down_packed, o, 0, nthreads))) goto done;
-    for (long t = 0; t < T; t++) {
-        float *r = o + t * H;
-        if (w->b_down) for (long i = 0; i < H; i++) r[i] += w->b_down[i];
-        if (d->sandwich) rmsnorm(r, w->post_mlp_norm, r, H, d->eps);
-        for (long i = 0; i < H; i++) h[t * H + i] = f2bf(bf2f(h[t * H + i]) + r[i]);
-    }
+    add_residual(h, o, T, H, w->b_down, d->sandwich ? w->post_mlp_norm : NULL, d->eps);
 done:
     free(x); free(gu); free(a); free(o);
     return rc;

@@ -61,6 +61,14 @@ static inline __m512 load_w_bf16(const uint16_t *p, __mmask16 mk) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+/* acc[j] += xb * w_j for the four 16-column slices of a tile row */
+static inline __attribute__((always_inline)) void fma_row(__m512 acc[4], __m512 xb, __m512 w0, __m512 w1, __m512 w2, __m512 w3) {
+    acc[0] = _mm512_fmadd_ps(xb, w0, acc[0]);
+    acc[1] = _mm512_fmadd_ps(xb, w1, acc[1]);
+    acc[2] = _mm512_fmadd_ps(xb, w2, acc[2]);
+    acc[3] = _mm512_fmadd_ps(xb, w3, acc[3]);
+}
+
 static inline void store_out(void *y, int y_bf16, long off, __m512 v, __mmask16 mk) {
     if (!y_bf16) { _mm512_mask_storeu_ps((float *)y + off, mk, v); return; }
     __m512i u = _mm512_castps_si512(v);
@@ -91,10 +99,7 @@ static inline __attribute__((always_inline)) void tile_bf16(
         __m512 w2 = load_w_bf16(wk + 32, mk[2]), w3 = load_w_bf16(wk + 48, mk[3]);
         for (int r = 0; r < R; r++) {
             __m512 xb = _mm512_set1_ps(xr[r * K + k]);
-            acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
-            acc[r][2] = _mm512_fmadd_ps(xb, w2, acc[r][2]);
-            acc[r][3] = _mm512_fmadd_ps(xb, w3, acc[r][3]);
+            fma_row(acc[r], xb, w0, w1, w2, w3);
         }
     }
     for (int r = 0; r < R; r++) {
@@ -117,10 +122,7 @@ static inline __attribute__((always_inline)) void tile_f32(
         __m512 w2 = _mm512_maskz_loadu_ps(mk[2], wk + 32), w3 = _mm512_maskz_loadu_ps(mk[3], wk + 48);
         for (int r = 0; r < R; r++) {
             __m512 xb = _mm512_set1_ps(xr[r * K + k]);
-            acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
-            acc[r][2] = _mm512_fmadd_ps(xb, w2, acc[r][2]);
-            acc[r][3] = _mm512_fmadd_ps(xb, w3, acc[r][3]);
+            fma_row(acc[r], xb, w0, w1, w2, w3);
         }
     }
     for (int r = 0; r < R; r++)
@@ -145,10 +147,7 @@ static inline __attribute__((always_inline)) void chunk_rows(
         __m512 w2 = _mm512_load_ps(wk + 32), w3 = _mm512_load_ps(wk + 48);
         for (int r = 0; r < R; r++) {
             __m512 xb = _mm512_set1_ps(xr[r * K + k0 + k]);
-            acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
-            acc[r][2] = _mm512_fmadd_ps(xb, w2, acc[r][2]);
-            acc[r][3] = _mm512_fmadd_ps(xb, w3, acc[r][3]);
+            fma_row(acc[r], xb, w0, w1, w2, w3);
         }
     }
     for (int r = 0; r < R; r++)
@@ -238,18 +237,12 @@ static inline __attribute__((always_inline)) void pair_rows(
         __m512 w0 = _mm512_load_ps(wo), w1 = _mm512_load_ps(wo + 16), w2 = _mm512_load_ps(wo + 32), w3 = _mm512_load_ps(wo + 48);
         for (int r = 0; r < R; r++) {
             __m512 xb = _mm512_set1_ps(xo[xi + r * K2]);
-            acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
-            acc[r][2] = _mm512_fmadd_ps(xb, w2, acc[r][2]);
-            acc[r][3] = _mm512_fmadd_ps(xb, w3, acc[r][3]);
+            fma_row(acc[r], xb, w0, w1, w2, w3);
         }
         w0 = _mm512_load_ps(we); w1 = _mm512_load_ps(we + 16); w2 = _mm512_load_ps(we + 32); w3 = _mm512_load_ps(we + 48);
         for (int r = 0; r < R; r++) {
             __m512 xb = _mm512_set1_ps(xe[xi + r * K2]);
-            acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
-            acc[r][2] = _mm512_fmadd_ps(xb, w2, acc[r][2]);
-            acc[r][3] = _mm512_fmadd_ps(xb, w3, acc[r][3]);
+            fma_row(acc[r], xb, w0, w1, w2, w3);
         }
     }
     for (int r = 0; r < R; r++)
