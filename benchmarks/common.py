@@ -38,7 +38,7 @@ def hf_model(dtype: torch.dtype):
 
     from selfspec.loading import default_model_dir
 
-    return AutoModelForCausalLM.from_pretrained(str(default_model_dir()), dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(str(default_model_dir()), dtype=dtype, local_files_only=True).eval()
 
 
 def hf_generate_tps(hf, ids: list[int], max_new_tokens: int, **kwargs) -> tuple[float, list[int]]:

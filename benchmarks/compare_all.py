@@ -58,7 +58,7 @@ def hf_model(dtype: torch.dtype, device: str, source: str | None):
 
     hf_logging.set_verbosity_error()
     path = source or selfspec.loading.default_model_dir()
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)  # a local directory; never a hub id
     return model.to(device).eval()
 
 

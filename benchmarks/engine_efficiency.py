@@ -140,7 +140,7 @@ def _ids(prompt: str) -> list[int]:
 
         from selfspec.loading import default_model_dir
 
-        _TOK = AutoTokenizer.from_pretrained(str(default_model_dir()))
+        _TOK = AutoTokenizer.from_pretrained(str(default_model_dir()), local_files_only=True)
     return _TOK(prompt).input_ids
 
 

@@ -26,7 +26,7 @@ def hf_reference(default_model):
     from transformers import AutoModelForCausalLM
 
     d = loading.default_model_dir()
-    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager", local_files_only=True)
     model.eval()
     return model
 
