@@ -51,8 +51,13 @@ class ExitAdapter(torch.nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """h [T, H] (any float dtype) -> [T, H] in h's dtype; the block computes in fp32."""
+        return self.block(h, self.up, self.down, torch.matmul)
+
+    def block(self, h: torch.Tensor, up, down, matmul) -> torch.Tensor:
+        """The block with its two matrices and the matmul given, e.g. bf16 copies of up/down
+        packed for selfspec.kernels.matmul on the CPU runtime (only drafts depend on it)."""
         x = F.rms_norm(h.float(), (h.shape[-1],), self.norm, self.meta.eps)
-        return (h.float() + F.silu(x @ self.up) @ self.down).to(h.dtype)
+        return (h.float() + matmul(F.silu(matmul(x, up)), down)).to(h.dtype)
 
 
 def save_adapter(adapter: ExitAdapter, path: str | os.PathLike) -> None:

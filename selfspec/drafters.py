@@ -18,7 +18,6 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from selfspec import kernels
-
 from selfspec.cache import KVCache
 from selfspec.config import DraftConfig, SamplingConfig
 from selfspec.errors import SelfSpecError
@@ -207,10 +206,7 @@ class ExitAdapterDrafter(EarlyExitDrafter):
     def _head_input(self, h: torch.Tensor) -> torch.Tensor:
         if self._fast is None:
             return self.adapter(h)
-        up, down = self._fast
-        a = self.adapter
-        x = torch.nn.functional.rms_norm(h.float(), (h.shape[-1],), a.norm, a.meta.eps)
-        return (h.float() + kernels.matmul(torch.nn.functional.silu(kernels.matmul(x, up)), down)).to(h.dtype)
+        return self.adapter.block(h, *self._fast, kernels.matmul)
 
 
 class LayerSkipDrafter(Drafter):

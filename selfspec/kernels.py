@@ -67,7 +67,7 @@ _DTYPES = (torch.bfloat16, torch.float32)
 _lock = threading.Lock()
 _lib = None  # ctypes function, or False once loading failed
 _build_id: str | None = None  # hash of sources, flags, compiler and CPU (names the build)
-_blocks: dict = {}  # "attn" / "mlp" -> fused sub-layer functions of the same library
+_blocks: dict = {}  # the library's other entry points: fused sub-layers, pair path flag and reference
 _load_error: str | None = None
 
 
@@ -414,18 +414,19 @@ class FusedBlocks:
         self._dims_ptr = ctypes.addressof(self.dims)
         self._layer_ptrs = [ctypes.addressof(s) for s in self.layers]
 
-    def attention(self, i: int, h: torch.Tensor, pos: int, kt: torch.Tensor, v: torch.Tensor,
-                  window: int | None, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """h [T, H] bf16 contiguous, updated in place; kt [kv, D, cap] / v [kv, cap, D]: layer i's
-        cache (rows pos..pos+T-1 written); cos/sin fp32 [T, D] contiguous for these positions."""
-        rc = self._attn(self._dims_ptr, self._layer_ptrs[i], h.data_ptr(), h.shape[0], pos, kt.data_ptr(),
-                        v.data_ptr(), kt.shape[-1], window or 0, cos.data_ptr(), sin.data_ptr(),
-                        torch.get_num_threads())
+    def attention(self, i: int, h: torch.Tensor, pos: int, cache, window: int | None,
+                  cos: torch.Tensor, sin: torch.Tensor, threads: int) -> None:
+        """h [T, H] bf16 contiguous, updated in place; cache: a KVCache (bf16, contiguous) whose
+        layer-i rows pos..pos+T-1 are written; cos/sin fp32 [T, D] for these positions."""
+        kt, v = cache.kt, cache.v  # [L, kv, D, cap] / [L, kv, cap, D]: layer i by pointer, no views
+        rc = self._attn(self._dims_ptr, self._layer_ptrs[i], h.data_ptr(), h.shape[0], pos,
+                        kt.data_ptr() + i * kt.stride(0) * kt.element_size(), v.data_ptr() + i * v.stride(0) * v.element_size(),
+                        cache.capacity, window or 0, cos.data_ptr(), sin.data_ptr(), threads)
         if rc:
             raise RuntimeError(f"kernels: attention block returned {rc}")
 
-    def mlp(self, i: int, h: torch.Tensor) -> None:
+    def mlp(self, i: int, h: torch.Tensor, threads: int) -> None:
         """h [T, H] bf16 contiguous, updated in place."""
-        rc = self._mlp(self._dims_ptr, self._layer_ptrs[i], h.data_ptr(), h.shape[0], torch.get_num_threads())
+        rc = self._mlp(self._dims_ptr, self._layer_ptrs[i], h.data_ptr(), h.shape[0], threads)
         if rc:
             raise RuntimeError(f"kernels: MLP block returned {rc}")

@@ -13,13 +13,13 @@ from dataclasses import asdict, fields
 
 import torch
 
+from selfspec import kernels
 from selfspec.architectures import ModelSpec
 from selfspec.config import DraftConfig, GenerationConfig, SamplingConfig
 from selfspec.drafters import Drafter, make_drafter
 from selfspec.engine import GenerationResult, StreamEvent, generate
 from selfspec.errors import SelfSpecError
 from selfspec.profiles import Profile, load_profile
-from selfspec import kernels
 from selfspec.runtime import Runtime
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}

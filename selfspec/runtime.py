@@ -76,7 +76,6 @@ class Runtime:
         rows = weights["head"]  # [V, H]
         self.head = kernels.pack_rows(rows) if self.uses_kernels else rows.t().contiguous()  # [H, V]
         self._rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._rope32: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # fp32 tables (fused path)
         self._rope_len = 0
         s = spec
         self._q, self._kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
@@ -112,9 +111,10 @@ class Runtime:
             return
         length = max(length, 2 * self._rope_len, 4096)  # grow geometrically: rarely recompute
         tables = rotary_tables(self.hf_config, self.spec, length)
-        # HF casts cos/sin to the activation dtype before use; we do the same once here.
-        self._rope = {k: (c.to(self.device, self.dtype), s.to(self.device, self.dtype)) for k, (c, s) in tables.items()}
-        self._rope32 = {k: (c.to(self.device).contiguous(), s.to(self.device).contiguous()) for k, (c, s) in tables.items()}
+        # HF casts cos/sin to the activation dtype before use; we do the same once here. The
+        # fused blocks compute in fp32 between bf16 matmuls, so they get the fp32 tables.
+        dt = torch.float32 if self.blocks is not None else self.dtype
+        self._rope = {k: (c.to(self.device, dt).contiguous(), s.to(self.device, dt).contiguous()) for k, (c, s) in tables.items()}
         self._rope_len = length
 
     # ---- primitives -------------------------------------------------------------------
@@ -224,11 +224,11 @@ class Runtime:
         masks: dict | None = None,
     ) -> torch.Tensor:
         """h [T, H] holds positions pos..pos+T-1 at the input of layer `start`."""
-        windows = self.spec.sliding_windows
         if self.blocks is not None:
             return self._run_fused(h, start, end, pos, cache, skip_attn, skip_mlp)
         if masks is None:
             masks = self.masks(pos, h.shape[0], cache)
+        windows = self.spec.sliding_windows
         for i in range(start, end):
             if i not in skip_attn:
                 h = h + self._attention(i, h, pos, cache, masks[windows[i]])
@@ -239,12 +239,13 @@ class Runtime:
     def _run_fused(self, h, start, end, pos, cache, skip_attn, skip_mlp) -> torch.Tensor:
         h = h.contiguous().clone()  # updated in place below; callers keep their input
         T, windows, kinds = h.shape[0], self.spec.sliding_windows, self.spec.rope_kinds
+        rope = {k: (c[pos : pos + T], s[pos : pos + T]) for k, (c, s) in self._rope.items()}  # rows of these positions
+        threads = torch.get_num_threads()
         for i in range(start, end):
             if i not in skip_attn:
-                cos, sin = self._rope32[kinds[i]]
-                self.blocks.attention(i, h, pos, cache.kt[i], cache.v[i], windows[i], cos[pos : pos + T], sin[pos : pos + T])
+                self.blocks.attention(i, h, pos, cache, windows[i], *rope[kinds[i]], threads)
             if i not in skip_mlp:
-                self.blocks.mlp(i, h)
+                self.blocks.mlp(i, h, threads)
         return h
 
     def logits(self, h: torch.Tensor, head=None) -> torch.Tensor:

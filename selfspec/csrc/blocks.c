@@ -8,7 +8,7 @@
  * h (the residual stream), the KV cache and the weights are bf16; everything in between is
  * fp32. Row invariance (a verify pass over T rows == T single-row calls, bit for bit) holds by
  * construction: each row is computed independently with fixed-order reductions, the matmuls
- * use selfspec_gemm (one FMA chain per output, see gemm.c), and a row's attention reads its
+ * use selfspec_gemm (one fixed chain per output, see gemm.c), and a row's attention reads its
  * keys/values back from the bf16 cache (also the ones this call just wrote), loops over keys
  * lo..p in increasing order, and never looks at T (see attend_rows).
  *
@@ -52,13 +52,22 @@ static inline uint16_t f2bf(float f) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* the first key position p may see: 0, or p - window + 1 under a sliding window */
+static inline long first_key(long p, long window) {
+    return (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
+}
+
+/* the first n of 16 lanes (n >= 16: all) */
+static inline __mmask16 lanes(long n) {
+    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
+}
+
 static float sumsq(const float *x, long n) {
     __m512 acc = _mm512_setzero_ps();
     long i = 0;
     for (; i + 16 <= n; i += 16) { __m512 v = _mm512_loadu_ps(x + i); acc = _mm512_fmadd_ps(v, v, acc); }
     if (i < n) {
-        __mmask16 mk = (__mmask16)((1u << (n - i)) - 1);
-        __m512 v = _mm512_maskz_loadu_ps(mk, x + i);
+        __m512 v = _mm512_maskz_loadu_ps(lanes(n - i), x + i);
         acc = _mm512_fmadd_ps(v, v, acc);
     }
     float lanes[16], s = 0.0f;
@@ -109,8 +118,7 @@ static void gated_activation(int act, const float *gate, const float *up, float 
         return;
     }
     for (long i = 0; i < n; i += 16) {
-        long left = n - i;
-        __mmask16 mk = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+        __mmask16 mk = lanes(n - i);
         __m512 x = _mm512_maskz_loadu_ps(mk, gate + i), s;
         if (act == 0) s = x;
         else {
@@ -155,7 +163,7 @@ static int attend_rows(const float *qkv, long W, float *att, long Q, long t0, lo
                        float scale, int nt) {
     const long g = nh / nkv, nt_rows = t1 - t0, R = nt_rows * nh;
     long p_hi = pos + t1 - 1;
-    long lo0 = (window > 0 && pos + t0 - window + 1 > 0) ? pos + t0 - window + 1 : 0;  /* smallest lo */
+    long lo0 = first_key(pos + t0, window);  /* the smallest first key of these rows */
     long span = p_hi - lo0 + 1, nblk = (span + 15) / 16;
     float *sc = malloc(sizeof(float) * (R * (nblk * 16) + R));
     if (!sc) return 1;
@@ -171,8 +179,7 @@ static int attend_rows(const float *qkv, long W, float *att, long Q, long t0, lo
 #endif
         for (long item = 0; item < nkv * nblk; item++) {
             long kvh = item / nblk, b = item % nblk, j0 = lo0 + 16 * b;
-            long left = p_hi + 1 - j0;
-            __mmask16 mk = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+            __mmask16 mk = lanes(p_hi + 1 - j0);
             const uint16_t *kp = kt + kvh * D * cap + j0;
             long nrows = nt_rows * g;  /* rows of this kv head: (t, a) with a in kvh*g .. kvh*g+g-1 */
             for (long r0 = 0; r0 < nrows; r0 += ROWS_PER_PASS) {
@@ -200,7 +207,7 @@ static int attend_rows(const float *qkv, long W, float *att, long Q, long t0, lo
 #endif
         for (long r = 0; r < R; r++) {
             long t = r / nh, p = pos + t0 + t;
-            long lo = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
+            long lo = first_key(p, window);
             float *s = sc + r * ld + (lo - lo0);
             long n = p - lo + 1;
             float m = -INFINITY, z = 0.0f;
@@ -215,14 +222,11 @@ static int attend_rows(const float *qkv, long W, float *att, long Q, long t0, lo
         for (long item = 0; item < R * nd; item++) {
             long r = item / nd, d0 = 64 * (item % nd);
             long t = r / nh, a = r % nh, kvh = a / g, p = pos + t0 + t;
-            long lo = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
+            long lo = first_key(p, window);
             const float *s = sc + r * ld + (lo - lo0);
             long n = p - lo + 1, dl = D - d0 < 64 ? D - d0 : 64;
             __mmask16 mk[4];
-            for (int c = 0; c < 4; c++) {
-                long lft = dl - 16 * c;
-                mk[c] = lft >= 16 ? (__mmask16)0xFFFF : lft <= 0 ? 0 : (__mmask16)((1u << lft) - 1);
-            }
+            for (int c = 0; c < 4; c++) mk[c] = lanes(dl - 16 * c);
             __m512 acc4[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
             const uint16_t *vb = vc + kvh * cap * D + lo * D + d0;
             for (long j = 0; j < n; j++) {

@@ -290,6 +290,16 @@ int selfspec_has_pairs(void) {
 #endif
 }
 
+/* threads for ntiles tiles: nthreads (<= 0: OpenMP's default), at most one per tile */
+static int team_size(long ntiles, int nthreads) {
+    int nt = nthreads;
+#ifdef _OPENMP
+    if (nt <= 0) nt = omp_get_max_threads();
+#endif
+    if (ntiles < nt) nt = (int)ntiles;
+    return nt < 1 ? 1 : nt;
+}
+
 static void tile_masks(long n0, long N, __mmask16 mk[4]) {
     for (int j = 0; j < 4; j++) {
         long left = N - (n0 + 16 * j);
@@ -321,7 +331,7 @@ static int gemm_pairs(long M, long K, long N, const void *x, int x_bf16, const u
             }
             xp[m * K2 + k2] = (uint32_t)lo | ((uint32_t)hi << 16);
         }
-    /* M > MR: fp32 copies of the even / odd x (DAZ applies to them inside the FMAs) */
+    /* M >= PAIRS_MANY_MIN: fp32 copies of the even / odd x (DAZ applies to them inside the FMAs) */
     float *xe = NULL, *xo = NULL;
     if (M >= PAIRS_MANY_MIN && !DIRECT_ONLY) {
         xe = (float *)malloc(sizeof(float) * M * K2 * 2);
@@ -333,12 +343,7 @@ static int gemm_pairs(long M, long K, long N, const void *x, int x_bf16, const u
         }
     }
     long ntiles = (N + NT - 1) / NT;
-    int nt = nthreads;
-#ifdef _OPENMP
-    if (nt <= 0) nt = omp_get_max_threads();
-    if (ntiles < nt) nt = (int)ntiles;
-    if (nt < 1) nt = 1;
-#endif
+    int nt = team_size(ntiles, nthreads);
     int failed = 0;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(nt)
@@ -399,12 +404,7 @@ int selfspec_gemm(long M, long K, long N, const void *x, int x_bf16, const void 
     for (long i = 0; i < M * K; i++)
         xf[i] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
     long ntiles = (N + NT - 1) / NT;
-    int nt = nthreads;
-#ifdef _OPENMP
-    if (nt <= 0) nt = omp_get_max_threads();
-    if (ntiles < nt) nt = (int)ntiles;
-    if (nt < 1) nt = 1;
-#endif
+    int nt = team_size(ntiles, nthreads);
     int direct_only = DIRECT_ONLY;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(nt)
