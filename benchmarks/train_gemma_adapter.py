@@ -3,6 +3,7 @@ library, then measure exit-adapter drafting against autoregressive decoding, and
 plain early exit at the same layer with the same draft vocabulary, side by side.
 
     python benchmarks/train_gemma_adapter.py                        # 60 min of training, then the benchmark
+    python benchmarks/train_gemma_adapter.py --run OUT/run --out OUT2   # the benchmark alone, for a trained run
     python benchmarks/train_gemma_adapter.py --minutes 1 --num-samples 1 --max-new-tokens 16 --eval-sequences 2   # smoke test
 
 Steps (fixed seeds):
@@ -13,10 +14,13 @@ Steps (fixed seeds):
     running the teacher over new text (--teacher-share of the time; that fixes
     --teacher-tokens) and further epochs over the cached teacher outputs (--max-steps);
  3. `selfspec train --recipe exit-adapter` (selfspec.training) into OUT/run: the model in
-    float32, the adapter distilled toward the full model over the restricted draft vocabulary;
+    float32, the adapter (an MLP, after attention with --adapter-heads) distilled toward the full model
+    over the restricted draft vocabulary; the profile it writes drafts up to
+    --num-speculations tokens while the draft's confidence stays above --draft-threshold;
  4. load the model again in bfloat16 and, on every prompt, run autoregressive, plain early
-    exit (E, K, draft vocabulary N) and exit-adapter (the run's profile) back to back in
-    rotating order; greedy; outputs compared token for token with autoregressive.
+    exit (E, --fixed-k, draft vocabulary N), the adapter at --fixed-k, and the adapter as
+    its profile says, back to back in rotating order; greedy; outputs compared token for
+    token with autoregressive. Speedups count the whole generation, prefill included.
 
 Writes OUT (default results/gemma_adapter-<time>; results/ is git-ignored): summary.json
 (settings, the training run's held-out agreement numbers, per dataset and method:
@@ -51,18 +55,24 @@ MODEL = "gemma-3-270m"
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=float, default=60.0, help="training budget, teacher passes included (default: 60)")
-    p.add_argument("--exit-layer", type=int, default=6, help="E: the adapter reads the input of layer E (default: 6 of 18)")
+    p.add_argument("--exit-layer", type=int, default=12, help="E: the adapter reads the input of layer E (default: 12 of 18)")
     p.add_argument("--adapter-size", type=int, default=1024)
+    p.add_argument("--adapter-heads", type=int, default=0, help="attention heads in the adapter, before its MLP (default: 0, the MLP alone)")
+    p.add_argument("--adapter-head-dim", type=int, default=64)
     p.add_argument("--draft-vocab", type=int, default=16384)
-    p.add_argument("--num-speculations", type=int, default=4)
+    p.add_argument("--num-speculations", type=int, default=6, help="K written to the profile: the most drafts per step (default: 6)")
+    p.add_argument("--draft-threshold", type=float, default=0.3,
+                   help="written to the profile: drafting stops when the draft's confidence falls below it (default: 0.3; 0: always K)")
+    p.add_argument("--fixed-k", type=int, default=3, help="K of the fixed-length comparisons: plain early exit, and the adapter without threshold (default: 3)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--teacher-share", type=float, default=0.4, help="share of the budget spent running the frozen model over new text")
+    p.add_argument("--teacher-share", type=float, default=0.7, help="share of the budget spent running the frozen model over new text (default: 0.7)")
     p.add_argument("--eval-sequences", type=int, default=32, help="held-out sequences for the agreement numbers")
     p.add_argument("--datasets", default="code,text", help="built-in prompt sets to benchmark on (default: code,text)")
     p.add_argument("--num-samples", type=int, default=5, help="prompts per set (default: 5)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="per prompt (default: 128, as selfspec bench)")
+    p.add_argument("--run", default=None, help="benchmark this existing run directory (OUT/run of an earlier call) instead of training")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="output directory (default: results/gemma_adapter-<time>)")
@@ -96,22 +106,28 @@ def time_teacher_and_step(args) -> tuple[float, float, float]:
     cache = rt.new_cache(T)
     times = []
     with torch.no_grad():
-        for _ in range(2):
+        for _ in range(3):  # as the trainer's teacher: both halves, the draft-vocabulary head, top-64 targets
             t = time.perf_counter()
             h_e = rt.run_layers(rt.embed(ids), 0, E, 0, cache)
-            rt.logits(rt.run_layers(h_e, E, rt.num_layers, 0, cache), head=head)
+            top_p, top_ids = rt.logits(rt.run_layers(h_e, E, rt.num_layers, 0, cache), head=head).softmax(-1).topk(64, dim=-1)
             times.append(time.perf_counter() - t)
         t = time.perf_counter()
         rt.logits(rt.run_layers(h_e, E, rt.num_layers, 0, cache))  # the evaluation's full head
         full = time.perf_counter() - t
-    adapter = ExitAdapter(AdapterMeta(E, m.spec.hidden_size, args.adapter_size))
-    h = h_e.repeat(args.batch_size, 1)
+    adapter = ExitAdapter(AdapterMeta(E, m.spec.hidden_size, args.adapter_size, heads=args.adapter_heads, head_dim=args.adapter_head_dim))
+    opt = torch.optim.AdamW(adapter.parameters(), lr=1e-9)
+    h = h_e.expand(args.batch_size, -1, -1)  # [B, T, H]: whole sequences, as the trainer feeds them
+    ids64, p64 = top_ids.repeat(args.batch_size, 1).long(), top_p.repeat(args.batch_size, 1)
     steps = []
-    for _ in range(2):
+    for _ in range(3):  # as the trainer's step: KL to the top-64 targets, backward, clipping, AdamW
         t = time.perf_counter()
-        draft_logits(rt, adapter(h), head).log_softmax(-1)[:, :64].sum().backward()
+        logq = draft_logits(rt, adapter(h).flatten(0, 1), head).log_softmax(-1).gather(1, ids64)
+        (p64 * (p64.log() - logq)).sum().backward()
+        torch.nn.utils.clip_grad_norm_(adapter.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
         steps.append(time.perf_counter() - t)
-    return min(times), min(steps), args.eval_sequences * (min(times) + full)
+    return sorted(times)[1], sorted(steps)[1], args.eval_sequences * (sorted(times)[1] + full)
 
 
 def bench(model, methods: dict[str, DraftConfig], dataset, settings: Settings) -> dict:
@@ -153,6 +169,13 @@ def main() -> int:
     # 1. benchmark prompts first: their text stays out of training
     datasets = [load_dataset(name, args.num_samples, args.seed) for name in args.datasets.split(",")]
     snippets = exclusion_snippets(datasets)
+    if args.run:
+        final = Path(args.run) / "final"
+        if not (final / "profile.json").is_file():
+            log(f"{final / 'profile.json'} not found: --run takes the run directory of an earlier call (OUT/run)")
+            return 2
+        training = json.loads((final / "training.json").read_text())
+        return benchmark(args, out, final, datasets, training.get("eval") or {}, {"run": str(args.run), **training})
 
     # 2. split the budget
     t_teacher, t_step, t_eval = time_teacher_and_step(args)
@@ -169,21 +192,31 @@ def main() -> int:
         out=str(out / "run"),
         data=DataConfig(data=("stdlib",), seq_len=args.seq_len, eval_sequences=args.eval_sequences, exclude_containing=snippets),
         model=ModelConfig(model=MODEL),
-        adapter=AdapterConfig(exit_layer=args.exit_layer, adapter_size=args.adapter_size, draft_vocab=args.draft_vocab,
+        adapter=AdapterConfig(exit_layer=args.exit_layer, adapter_size=args.adapter_size, adapter_heads=args.adapter_heads,
+                              adapter_head_dim=args.adapter_head_dim, draft_vocab=args.draft_vocab,
                               num_speculations=args.num_speculations, teacher_tokens=sequences * args.seq_len),
         loop=LoopConfig(max_steps=steps, max_minutes=args.minutes, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                         eval_every=max(1, steps // 4), checkpoint_every=max(1, steps // 4), threads=args.threads),
     )
     result = train(cfg, log=log)
-    ev = result.summary["eval"]
+    training = {"steps": result.loop.step, "tokens": result.loop.tokens, "train_minutes": result.loop.train_seconds / 60,
+                "stopped_by": result.loop.stopped_by, "held_out": result.summary["eval"], "data": result.summary["data"],
+                "excluded_snippets": len(snippets), "profile": str(result.final / "profile.json")}
+    return benchmark(args, out, result.final, datasets, result.summary["eval"], training)
 
-    # 4. benchmark in bfloat16
+
+def benchmark(args, out: Path, final: Path, datasets, ev: dict, training: dict) -> int:
+    """4. every method on every prompt in bfloat16, greedy; summary.json and a table."""
     model = selfspec.load(MODEL, dtype="bfloat16")
-    K, E, N = args.num_speculations, args.exit_layer, args.draft_vocab
+    profile = str(final / "profile.json")
+    adapter = model.draft_config(profile=profile)
+    K, E, N = args.fixed_k, adapter.exit_layer, adapter.draft_vocab
+    length = f"K<={adapter.num_speculations} threshold {adapter.draft_threshold:g}" if adapter.draft_threshold else f"K={adapter.num_speculations}"
     methods = {
         "autoregressive": DraftConfig("autoregressive"),
         f"early-exit E={E} K={K} vocab={N}": DraftConfig("early-exit", exit_layer=E, num_speculations=K, draft_vocab=N),
-        f"exit-adapter E={E} K={K} vocab={N}": model.draft_config(profile=str(result.final / "profile.json")),
+        f"exit-adapter E={E} K={K}": model.draft_config(profile=profile, num_speculations=K, draft_threshold=None),
+        f"exit-adapter E={E} {length} (the profile)": adapter,
     }
     settings = Settings(max_new_tokens=args.max_new_tokens, seed=args.seed)
     measured = {}
@@ -193,9 +226,7 @@ def main() -> int:
 
     summary = {
         "settings": vars(args),
-        "training": {"steps": result.loop.step, "tokens": result.loop.tokens, "train_minutes": result.loop.train_seconds / 60,
-                     "stopped_by": result.loop.stopped_by, "held_out": ev, "data": result.summary["data"],
-                     "excluded_snippets": len(snippets), "profile": str(result.final / "profile.json")},
+        "training": training,
         "benchmark": {name: {m: {k: v for k, v in r.items() if k != "aggregate"} for m, r in res.items()} for name, res in measured.items()},
         "benchmark_details": measured,
         "datasets": {ds.name: ds.info() for ds in datasets},
@@ -206,8 +237,9 @@ def main() -> int:
     from rich.console import Console
     from rich.table import Table
 
-    tab = Table(title=f"exit adapter on {MODEL} (bfloat16), {args.minutes:g} min of training; held-out agreement: "
-                      f"adapter {ev['adapter_agreement']:.0%}, plain early exit {ev['early_exit_agreement']:.0%}")
+    agreement = (f"; held-out agreement: adapter {ev['adapter_agreement']:.0%}, plain early exit {ev['early_exit_agreement']:.0%}"
+                 if ev else "")
+    tab = Table(title=f"exit adapter on {MODEL} (bfloat16), {args.max_new_tokens} new tokens per prompt{agreement}")
     for col in ("set", "method", "tok/s", "speedup", "acceptance", "tokens/verify", "identical"):
         tab.add_column(col)
     for name, res in measured.items():

@@ -3,16 +3,23 @@
 The draft for the `exit-adapter` strategy is
 
     h_E   = layers 0..E-1 (the model's own, KV shared with verification)
-    h'    = h_E + down(act(up(rms_norm(h_E) * norm)))         # this module, [T, H] -> [T, H]
+    a     = h_E + out(attention(rope(q), rope(k), v))    with q|k|v = rms_norm(h_E) @ qkv
+                                                          (only when heads > 0)
+    h'    = a + down(silu(up(rms_norm(a) * norm)))       # this module, [T, H] -> [T, H]
     draft = final norm + LM head (optionally restricted to the draft vocabulary) on h'
 
-The model itself is never changed, so verification by the full model keeps the output
-identical to the original model's; the adapter only has to make drafts agree more often.
-`down` starts at zero: an untrained adapter is exactly plain early exit.
+The attention (causal, its own rotary table, its own small KV cache at inference: see
+AdapterCache) lets the draft look back at earlier positions' layer-E states, which the
+layers E..L-1 it stands in for do; the MLP alone sees one position. The model itself is
+never changed, so verification by the full model keeps the output identical to the
+original model's; the adapter only has to make drafts agree more often. `down` and `out`
+start at zero: an untrained adapter is exactly plain early exit.
 
-File format: one safetensors file with tensors `norm` [H], `up` [H, I], `down` [I, H]
+File format: one safetensors file with tensors `norm` [H], `up` [H, I], `down` [I, H], and
+with attention `attn_norm` [H], `qkv` [H, 3*heads*head_dim], `out` [heads*head_dim, H]
 (fp32, stored [in, out] like the runtime's weights) and metadata
-{"format", "exit_layer", "hidden_size", "inner_size", "model_fingerprint", "draft_vocab"}.
+{"format", "exit_layer", "hidden_size", "inner_size", "model_fingerprint", "draft_vocab",
+"eps", "heads", "head_dim", "rope_theta"} (files without the last three have no attention).
 """
 
 from __future__ import annotations
@@ -38,26 +45,103 @@ class AdapterMeta:
     model_fingerprint: str = ""
     draft_vocab: int | None = None  # the restricted draft vocabulary it was trained with
     eps: float = 1e-6
+    heads: int = 0  # attention heads; 0 = the MLP alone
+    head_dim: int = 64
+    rope_theta: float = 10000.0
+
+
+@dataclass
+class AdapterWeights:
+    """The matrices the block multiplies by: the parameters themselves (training), or bf16
+    copies packed for selfspec.kernels.matmul (the CPU runtime's drafts)."""
+
+    up: torch.Tensor
+    down: torch.Tensor
+    qkv: torch.Tensor | None = None
+    out: torch.Tensor | None = None
+
+
+class AdapterCache:
+    """Keys and values of the adapter's attention, one row per position (fp32, [heads,
+    capacity, head_dim]); position-indexed like the model's KVCache, so a rejected draft is
+    simply overwritten by the next step's."""
+
+    def __init__(self, meta: AdapterMeta, capacity: int, device):
+        self.k = torch.empty(meta.heads, capacity, meta.head_dim, device=device)  # head-major: contiguous key runs
+        self.v = torch.empty(meta.heads, capacity, meta.head_dim, device=device)
+        self.cos, self.sin = rope_table(meta, 0, capacity, device)  # once per generation, not per draft
 
 
 class ExitAdapter(torch.nn.Module):
     def __init__(self, meta: AdapterMeta):
         super().__init__()
         self.meta = meta
-        H, I = meta.hidden_size, meta.inner_size
+        H, I, A = meta.hidden_size, meta.inner_size, meta.heads * meta.head_dim
         self.norm = torch.nn.Parameter(torch.ones(H))
         self.up = torch.nn.Parameter(torch.randn(H, I) * H**-0.5)
         self.down = torch.nn.Parameter(torch.zeros(I, H))  # zero: starts as plain early exit
+        if meta.heads:
+            self.attn_norm = torch.nn.Parameter(torch.ones(H))
+            self.qkv = torch.nn.Parameter(torch.randn(H, 3 * A) * H**-0.5)
+            self.out = torch.nn.Parameter(torch.zeros(A, H))  # zero, for the same reason
+
+    def weights(self) -> AdapterWeights:
+        if self.meta.heads:
+            return AdapterWeights(self.up, self.down, self.qkv, self.out)
+        return AdapterWeights(self.up, self.down)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """h [T, H] (any float dtype) -> [T, H] in h's dtype; the block computes in fp32."""
-        return self.block(h, self.up, self.down, torch.matmul)
+        """h [T, H] (one sequence at positions 0..T-1) or [B, T, H] (B such sequences), any
+        float dtype -> the same shape and dtype; the block computes in fp32."""
+        return self.block(h, self.weights(), torch.matmul)
 
-    def block(self, h: torch.Tensor, up, down, matmul) -> torch.Tensor:
-        """The block with its two matrices and the matmul given, e.g. bf16 copies of up/down
-        packed for selfspec.kernels.matmul on the CPU runtime (only drafts depend on it)."""
-        x = F.rms_norm(h.float(), (h.shape[-1],), self.norm, self.meta.eps)
-        return (h.float() + matmul(F.silu(matmul(x, up)), down)).to(h.dtype)
+    def block(self, h: torch.Tensor, w: AdapterWeights, matmul, pos: int = 0, cache: AdapterCache | None = None) -> torch.Tensor:
+        """The block with the weights and the matmul given. With a cache, h [T, H] holds
+        positions pos..pos+T-1 of one sequence: their keys/values are written to the cache
+        and they attend to every cached position up to their own."""
+        x = h.float()
+        if self.meta.heads:
+            x = x + matmul(self._attention(F.rms_norm(x, (x.shape[-1],), self.attn_norm, self.meta.eps), w, matmul, pos, cache), w.out)
+        y = F.rms_norm(x, (x.shape[-1],), self.norm, self.meta.eps)
+        return (x + matmul(F.silu(matmul(y, w.up)), w.down)).to(h.dtype)
+
+    def _attention(self, a: torch.Tensor, w: AdapterWeights, matmul, pos: int, cache: AdapterCache | None) -> torch.Tensor:
+        """a [..., T, H] -> concatenated head outputs [..., T, heads*head_dim]."""
+        nh, d = self.meta.heads, self.meta.head_dim
+        T = a.shape[-2]
+        qkv = matmul(a, w.qkv).unflatten(-1, (3, nh, d))  # [..., T, 3, nh, d]
+        if cache is None:  # whole sequences from position 0: plain causal attention
+            cos, sin = rope_table(self.meta, 0, T, a.device)
+            qk = _rotate(qkv[..., :2, :, :], cos[:, None], sin[:, None])
+            q, k, v = qk[..., 0, :, :], qk[..., 1, :, :], qkv[..., 2, :, :]  # each [..., T, nh, d]
+            o = F.scaled_dot_product_attention(q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2), is_causal=True)
+            return o.transpose(-3, -2).flatten(-2)
+        # one sequence, positions pos..pos+T-1: write their keys/values, attend to every key up to their own
+        qk = _rotate(qkv[:, :2], cache.cos[pos : pos + T, None], cache.sin[pos : pos + T, None])
+        cache.k[:, pos : pos + T], cache.v[:, pos : pos + T] = qk[:, 1].transpose(0, 1), qkv[:, 2].transpose(0, 1)
+        # explicit ops, not scaled_dot_product_attention: at one query per call its set-up costs
+        # more than the arithmetic (~0.1 ms of a draft token)
+        scores = torch.matmul(qk[:, 0].transpose(0, 1), cache.k[:, : pos + T].transpose(1, 2)) * d**-0.5  # [nh, T, pos+T]
+        if T > 1:  # a single query sees every cached key anyway
+            keys = torch.arange(pos + T, device=a.device)
+            scores = scores.masked_fill(keys[None, :] > (pos + torch.arange(T, device=a.device))[:, None], float("-inf"))
+        o = torch.matmul(scores.softmax(-1), cache.v[:, : pos + T])  # [nh, T, d]
+        return o.transpose(0, 1).flatten(-2)
+
+
+def rope_table(meta: AdapterMeta, start: int, stop: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of the adapter's rotary angles for positions start..stop-1: each [T, 1, d]."""
+    d = meta.head_dim
+    inv = meta.rope_theta ** (-torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)  # [d/2]
+    ang = torch.arange(start, stop, device=device, dtype=torch.float32)[:, None] * inv  # [T, d/2]
+    ang = torch.cat([ang, ang], -1)[:, None, :]  # [T, 1, d]: broadcast over heads
+    return ang.cos(), ang.sin()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, half-split convention, on the last dimension of x."""
+    x1, x2 = x.chunk(2, -1)
+    return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
 def save_adapter(adapter: ExitAdapter, path: str | os.PathLike) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from selfspec import kernels
+from selfspec.adapter import AdapterCache, AdapterWeights
 from selfspec.cache import KVCache
 from selfspec.config import DraftConfig, SamplingConfig
 from selfspec.errors import SelfSpecError
@@ -164,29 +165,43 @@ class EarlyExitDrafter(Drafter):
         for j in range(step.k):
             h = self._exit_hidden(token, step.pos + j, step.cache)  # [1, H]
             self._exit_h.append(h)
-            if not self._choose(self._draft_logits(self._head_input(h)), step, d):
+            if not self._choose(self._draft_logits(self._head_input(h, step.pos + j)), step, d):
                 break
             token = d.tokens[-1]
         return d
 
-    def _head_input(self, h: torch.Tensor) -> torch.Tensor:
+    def _head_input(self, h: torch.Tensor, pos: int) -> torch.Tensor:
+        """What the head drafts from, for exit hidden states h [T, H] at positions pos.."""
         return h
 
     def verify(self, step: Step, draft: Draft) -> torch.Tensor:
         inputs = [step.tokens[-1], *draft.tokens]
-        while len(self._exit_h) < len(inputs):  # the last draft has not been through layers < E
-            j = len(self._exit_h)
-            self._exit_h.append(self._exit_hidden(inputs[j], step.pos + j, step.cache))
+        j = len(self._exit_h)
+        if j < len(inputs):  # inputs not yet through layers < E: the last draft, or drafts from elsewhere
+            ids = torch.tensor(inputs[j:], device=self.rt.device)
+            self._exit_h.append(self.rt.run_layers(self.rt.embed(ids), 0, self.exit, step.pos + j, step.cache))
+            self._exits_written(self._exit_h[-1], step.pos + j)
         h = torch.cat(self._exit_h)  # [k+1, H]
         h = self.rt.run_layers(h, self.exit, self.rt.num_layers, step.pos, step.cache)
         return self.rt.logits(h)
+
+    def _exits_written(self, h: torch.Tensor, pos: int) -> None:
+        """Hook: exit hidden states h [T, H] at positions pos.. were computed outside drafting."""
+
+    def verify_foreign(self, step: Step, draft: Draft) -> torch.Tensor:
+        """Verify drafts that came from elsewhere (prompt lookup): the same pass as verify,
+        through the exit so this drafter's per-position state stays complete."""
+        self._exit_h = []
+        return self.verify(step, draft)
 
 
 class ExitAdapterDrafter(EarlyExitDrafter):
     """Kangaroo-style: early exit with a small trained block between layer E-1 and the head
     (selfspec/adapter.py). Everything else, the shared KV and the exit-query cache included,
     is early exit's; the exit-query cache keeps the *un*adapted hidden states, which are what
-    layer E of the full model consumes."""
+    layer E of the full model consumes. An adapter with attention also keeps its own keys
+    and values per position (AdapterCache), written wherever exit hidden states are made:
+    the prompt, every draft input, the inputs verification runs through layers < E."""
 
     name = "exit-adapter"
 
@@ -195,18 +210,64 @@ class ExitAdapterDrafter(EarlyExitDrafter):
             raise SelfSpecError("exit-adapter strategy needs a loaded adapter")
         super().__init__(runtime, cfg, eos_ids)
         self.adapter = adapter
-        # bf16 CPU runtime: the block's two matmuls through the kernel with bf16 (packed) copies
-        # of up/down (~0.1 ms per draft token instead of ~4 ms of fp32 torch ops). Only the
-        # drafts change, never the verified output.
-        self._fast = None
+        self._kv: AdapterCache | None = None
+        self._kv_len = 0  # positions 0.._kv_len-1 have adapter keys/values
+        # bf16 CPU runtime: the block's matmuls through the kernel with bf16 (packed) copies
+        # of its matrices (~0.1 ms per draft token instead of ~4 ms of fp32 torch ops). Only
+        # the drafts change, never the verified output.
+        w = adapter.weights()
         if runtime.uses_kernels:
-            self._fast = tuple(runtime.prepare_weight(w.detach().to(runtime.dtype).contiguous())
-                               for w in (adapter.up, adapter.down))
+            pack = lambda t: None if t is None else runtime.prepare_weight(t.detach().to(runtime.dtype).contiguous())  # noqa: E731
+            w = AdapterWeights(pack(w.up), pack(w.down), pack(w.qkv), pack(w.out))
+            self._matmul = kernels.matmul
+        else:
+            self._matmul = torch.matmul
+        self._weights = w
 
-    def _head_input(self, h: torch.Tensor) -> torch.Tensor:
-        if self._fast is None:
-            return self.adapter(h)
-        return self.adapter.block(h, *self._fast, kernels.matmul)
+    @property
+    def attends(self) -> bool:
+        return self.adapter.meta.heads > 0
+
+    def start(self, cache):
+        super().start(cache)
+        if self.attends:
+            self._kv = AdapterCache(self.adapter.meta, cache.capacity, self.rt.device)
+            self._kv_len = 0
+
+    def prefill(self, ids, cache):
+        if not self.attends:
+            return super().prefill(ids, cache)
+        self.start(cache)
+        h = self.rt.run_layers(self.rt.embed(ids), 0, self.exit, 0, cache)  # [P, H]
+        self._exits_written(h, 0)
+        h = self.rt.run_layers(h, self.exit, self.rt.num_layers, 0, cache)
+        return self.rt.logits(h[-1:])[0]
+
+    def _catch_up(self, step: Step) -> None:
+        """Context this drafter has not seen (a prefill it did not run, e.g. auto's
+        calibration pass): its exit hidden states again, for the adapter's keys/values.
+        Layers < E rewrite identical KV: every row is computed on its own."""
+        if self.attends and self._kv_len < step.pos:
+            ids = torch.tensor(step.tokens[self._kv_len : step.pos], device=self.rt.device)
+            self._exits_written(self.rt.run_layers(self.rt.embed(ids), 0, self.exit, self._kv_len, step.cache), self._kv_len)
+
+    def draft(self, step):
+        self._catch_up(step)
+        return super().draft(step)
+
+    def verify_foreign(self, step, draft):
+        self._catch_up(step)
+        return super().verify_foreign(step, draft)
+
+    def _exits_written(self, h, pos):
+        if self.attends:
+            self._head_input(h, pos)
+
+    def _head_input(self, h, pos):
+        out = self.adapter.block(h, self._weights, self._matmul, pos, self._kv)
+        if self.attends and pos <= self._kv_len:  # the cache stays gap-free from position 0
+            self._kv_len = max(self._kv_len, pos + h.shape[0])
+        return out
 
 
 class LayerSkipDrafter(Drafter):
@@ -447,6 +508,9 @@ class LookupFirstDrafter(Drafter):
         self.name = f"{inner.name}+lookup"
         self._from_lookup = False
 
+    def prefill(self, ids, cache):
+        return self.inner.prefill(ids, cache)
+
     def start(self, cache):
         self.inner.start(cache)
 
@@ -459,7 +523,11 @@ class LookupFirstDrafter(Drafter):
         return d if d.tokens else self.inner.draft(step)
 
     def verify(self, step, draft):
-        return Drafter.verify(self, step, draft) if self._from_lookup else self.inner.verify(step, draft)
+        if not self._from_lookup:
+            return self.inner.verify(step, draft)
+        if isinstance(self.inner, EarlyExitDrafter):  # the same cost, and the inner's state stays whole
+            return self.inner.verify_foreign(step, draft)
+        return Drafter.verify(self, step, draft)
 
     def accepted(self, step, draft, n):
         if not self._from_lookup:  # the adaptive threshold follows the self-drafter's own drafts

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import selfspec
-from selfspec.adapter import AdapterMeta, ExitAdapter, load_adapter, save_adapter
+from selfspec import kernels
+from selfspec.adapter import AdapterCache, AdapterMeta, ExitAdapter, load_adapter, save_adapter
 from selfspec.config import DraftConfig, SamplingConfig
 from selfspec.drafters import AutoDrafter, lookup_continuation
 from selfspec.errors import SelfSpecError
@@ -263,26 +264,35 @@ def test_auto_config_validation():
 # ---- exit adapters at inference ------------------------------------------------------------------
 
 
-def _adapter(m, E=2, seed=0, scale=0.5, fingerprint=None) -> ExitAdapter:
+def _adapter(m, E=2, seed=0, scale=0.5, fingerprint=None, heads=0) -> ExitAdapter:
     a = ExitAdapter(AdapterMeta(exit_layer=E, hidden_size=m.spec.hidden_size, inner_size=16,
-                                model_fingerprint=m.fingerprint if fingerprint is None else fingerprint))
+                                model_fingerprint=m.fingerprint if fingerprint is None else fingerprint, heads=heads, head_dim=8))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         a.down.copy_(torch.randn(a.down.shape, generator=g) * scale)
+        if heads:
+            a.out.copy_(torch.randn(a.out.shape, generator=g) * scale)
     return a
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3"])
-def test_exit_adapter_is_lossless(zoo, tmp_path, arch):
+@pytest.mark.parametrize("heads", [0, 2])
+def test_exit_adapter_is_lossless(zoo, tmp_path, arch, heads):
     _, m = zoo.get(arch)
     path = tmp_path / "adapter.safetensors"
-    save_adapter(_adapter(m), path)
+    a = _adapter(m, heads=heads)
+    save_adapter(a, path)
     loaded = load_adapter(path)
-    assert loaded.meta.exit_layer == 2
+    assert loaded.meta == a.meta and loaded.meta.exit_layer == 2
+    h = torch.randn(2, 5, m.spec.hidden_size)
+    with torch.no_grad():
+        assert torch.equal(loaded(h), a(h))
     for p in prompts(n=2, lengths=(7, 12)):
         ar = m.generate(p, max_new_tokens=N_NEW)
         out = m.generate(p, max_new_tokens=N_NEW, strategy="exit-adapter", adapter=str(path), num_speculations=5)
         assert out.token_ids == ar.token_ids
+        lk = m.generate(p, max_new_tokens=N_NEW, strategy="exit-adapter", adapter=str(path), num_speculations=3, lookup_first=True)
+        assert lk.token_ids == ar.token_ids
         s = m.generate(p, max_new_tokens=N_NEW, strategy="exit-adapter", adapter=str(path), temperature=0.8, seed=3)
         s2 = m.generate(p, max_new_tokens=N_NEW, strategy="exit-adapter", adapter=str(path), temperature=0.8, seed=3)
         assert s.token_ids == s2.token_ids
@@ -299,15 +309,70 @@ def test_exit_adapter_bfloat16_fast_path(zoo, tmp_path, arch):
     path = tmp_path / "adapter.safetensors"
     save_adapter(a, path)
     d = ExitAdapterDrafter(m.runtime, DraftConfig("exit-adapter", exit_layer=2, adapter=str(path)), adapter=a)
-    assert (d._fast is not None) == m.runtime.uses_kernels
+    assert (d._matmul is kernels.matmul) == m.runtime.uses_kernels
     h = torch.randn(3, m.spec.hidden_size).to(torch.bfloat16)
     with torch.inference_mode():
-        fast, ref = d._head_input(h).float(), a(h).float()
+        fast, ref = d._head_input(h, 0).float(), a(h).float()
     assert (fast - ref).abs().max().item() <= 0.03 * ref.abs().max().item()
     for p in prompts(n=2, lengths=(7, 12)):
         ar = m.generate(p, max_new_tokens=N_NEW, strategy="autoregressive")
         out = m.generate(p, max_new_tokens=N_NEW, strategy="exit-adapter", adapter=str(path), num_speculations=3)
         assert out.token_ids == ar.token_ids
+
+
+def test_adapter_attention_with_a_cache_equals_the_whole_sequence():
+    """Drafting feeds the adapter a few positions at a time through its cache; training runs
+    whole sequences causally. Both must be the same function."""
+    a = ExitAdapter(AdapterMeta(exit_layer=2, hidden_size=32, inner_size=16, heads=4, head_dim=8))
+    with torch.no_grad():
+        a.out.normal_(0, 0.5)
+        a.down.normal_(0, 0.5)
+        h = torch.randn(11, 32)
+        whole = a(h)
+        cache, parts, pos = AdapterCache(a.meta, 16, "cpu"), [], 0
+        for t in (4, 1, 1, 3, 2):
+            parts.append(a.block(h[pos : pos + t], a.weights(), torch.matmul, pos, cache))
+            pos += t
+        torch.testing.assert_close(torch.cat(parts), whole, atol=1e-5, rtol=1e-5)
+        # batched sequences are independent sequences from position 0
+        torch.testing.assert_close(a(torch.stack([h, h.flip(0)]))[1], a(h.flip(0)), atol=1e-5, rtol=1e-5)
+        # a query never sees later positions: changing the last input changes only the last output
+        h2 = h.clone()
+        h2[-1] += 1.0
+        assert torch.equal(a(h2)[:-1], whole[:-1])
+
+
+@pytest.mark.parametrize("mode", ["plain", "lookup_first", "auto_calibrated", "sampling"])
+def test_adapter_keys_and_values_cover_every_position(zoo, mode):
+    """Whatever path a position took (prompt, draft input, verification, prompt-lookup
+    drafts, auto's plain steps after a prefill the adapter did not run), the adapter's cache
+    ends up holding what one pass over the whole context writes. Acceptance depends on it;
+    losslessness does not, so only this test can catch a gap."""
+    from selfspec.config import GenerationConfig
+    from selfspec.drafters import ExitAdapterDrafter, LookupFirstDrafter
+    from selfspec.engine import generate
+
+    _, m = zoo.get("llama")
+    a = _adapter(m, heads=2)
+    cfg = DraftConfig("exit-adapter", exit_layer=2, adapter="unused", num_speculations=3)
+    inner = ExitAdapterDrafter(m.runtime, cfg, adapter=a)
+    drafter = {"plain": inner, "sampling": inner, "lookup_first": LookupFirstDrafter(inner),
+               "auto_calibrated": AutoDrafter(m.runtime, DraftConfig("auto"), costs=_fake_costs(L=m.spec.num_layers, draft_head=0.01),
+                                              choose_base=lambda ids, captured: (inner, 0.9), timing=False)}[mode]
+    ids = [int(t) for t in torch.randint(3, VOCAB, (10,), generator=torch.Generator().manual_seed(1))] * 2  # repeats: lookup matches
+    sampling = SamplingConfig(temperature=0.9, seed=2) if mode == "sampling" else SamplingConfig()
+    out = generate(m.runtime, drafter, ids, GenerationConfig(max_new_tokens=N_NEW), sampling)
+    assert out.stats.drafted > 0
+    context = torch.tensor(ids + out.token_ids[:-1])  # every token that was an input
+    n = len(context)
+    assert inner._kv_len >= n
+    with torch.inference_mode():
+        rt = m.runtime
+        h = rt.run_layers(rt.embed(context), 0, 2, 0, rt.new_cache(n))
+        ref = AdapterCache(a.meta, n, "cpu")
+        a.block(h, a.weights(), torch.matmul, 0, ref)
+    torch.testing.assert_close(inner._kv.k[:, :n], ref.k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(inner._kv.v[:, :n], ref.v, atol=1e-5, rtol=1e-5)
 
 
 def test_untrained_adapter_equals_plain_early_exit(zoo, tmp_path):

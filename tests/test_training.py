@@ -162,6 +162,8 @@ def test_exit_loss_scales_are_torchtunes_and_sum_to_one():
     (lambda: ModelConfig(preset="llama-tiny", model="x"), "choose one of"),
     (lambda: TrainConfig(recipe="layerskip"), "choose what to train"),
     (lambda: TrainConfig(recipe="exit-adapter", model=ModelConfig(model="x")), "--exit-layer"),
+    (lambda: AdapterConfig(adapter_heads=-1), "--adapter-heads"),
+    (lambda: AdapterConfig(adapter_head_dim=7), "--adapter-head-dim"),
 ])
 def test_config_checks_itself(build, fragment):
     with pytest.raises(SelfSpecError, match=fragment):
@@ -483,17 +485,19 @@ def _adapter_cfg(out: Path, model_dir: Path, data: Path, loop: dict | None = Non
                        model=ModelConfig(model=str(model_dir)), adapter=AdapterConfig(**ad), loop=LoopConfig(**lp))
 
 
-def test_untrained_adapter_is_plain_early_exit_and_distillation_learns(tiny_model_dir, words_file):
+@pytest.mark.parametrize("heads", [0, 2])
+def test_untrained_adapter_is_plain_early_exit_and_distillation_learns(tiny_model_dir, words_file, heads):
     from selfspec.training.adapter_train import AdapterTask
 
     m = selfspec.load(str(tiny_model_dir), dtype="float32")
     m.set_token_frequencies(torch.arange(VOCAB))  # draft vocabulary: ids 0..39 (the text uses ids 1..41)
-    cfg = _adapter_cfg("unused", tiny_model_dir, words_file, draft_vocab=40).resolved()
+    cfg = _adapter_cfg("unused", tiny_model_dir, words_file, draft_vocab=40, adapter_heads=heads, adapter_head_dim=8).resolved()
     corpus = build_corpus(read_documents(cfg.data), m.tokenizer, cfg.data)
     task = AdapterTask(cfg, m, corpus, Dist())
     assert task.vocab.tolist() == list(range(40))
+    assert len(task.params) == (6 if heads else 3)
     before = task.evaluate(4)
-    assert before["adapter_agreement"] == before["early_exit_agreement"]  # down = 0: the same draft
+    assert before["adapter_agreement"] == before["early_exit_agreement"]  # down = out = 0: the same draft
     opt = torch.optim.AdamW(task.params, lr=1e-2)
     for step in range(30):
         idx = sequence_order(task.num_sequences(), 0, step * 4, 4)
@@ -508,11 +512,13 @@ def test_untrained_adapter_is_plain_early_exit_and_distillation_learns(tiny_mode
     assert after["early_exit_agreement"] == before["early_exit_agreement"]  # the model itself is untouched
 
 
-def test_exit_adapter_resume_continues_exactly(tmp_path, tiny_model_dir, words_file):
+@pytest.mark.parametrize("heads", [0, 2])
+def test_exit_adapter_resume_continues_exactly(tmp_path, tiny_model_dir, words_file, heads):
     from safetensors.torch import load_file
 
     def cfg(out: Path) -> TrainConfig:
-        return _adapter_cfg(out, tiny_model_dir, words_file, loop=dict(max_steps=4, checkpoint_every=2, eval_every=4))
+        return _adapter_cfg(out, tiny_model_dir, words_file, loop=dict(max_steps=4, checkpoint_every=2, eval_every=4),
+                            adapter_heads=heads, adapter_head_dim=8)
 
     straight = train(cfg(tmp_path / "a"), log=_quiet)
 
@@ -524,16 +530,19 @@ def test_exit_adapter_resume_continues_exactly(tmp_path, tiny_model_dir, words_f
         train(cfg(tmp_path / "b"), log=_quiet, on_step=kill_at_3)
     resumed = train(replace(cfg(tmp_path / "b"), resume=True), log=_quiet)
     a, b = load_file(str(straight.final / "adapter.safetensors")), load_file(str(resumed.final / "adapter.safetensors"))
-    assert all(torch.equal(a[k], b[k]) for k in ("norm", "up", "down"))
+    assert sorted(a) == sorted(b) == sorted(["norm", "up", "down"] + (["attn_norm", "qkv", "out"] if heads else []))
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.skipif("exit-adapter" not in STRATEGIES, reason="the exit-adapter drafter (DraftConfig.adapter) has not landed yet")
-def test_exit_adapter_run_writes_a_profile_that_generates_losslessly(tmp_path, tiny_model_dir, words_file):
+@pytest.mark.parametrize("heads", [0, 2])
+def test_exit_adapter_run_writes_a_profile_that_generates_losslessly(tmp_path, tiny_model_dir, words_file, heads):
     from selfspec.adapter import load_adapter
 
-    result = train(_adapter_cfg(tmp_path / "ad", tiny_model_dir, words_file), log=_quiet)
+    result = train(_adapter_cfg(tmp_path / "ad", tiny_model_dir, words_file, adapter_heads=heads, adapter_head_dim=8), log=_quiet)
     adapter = load_adapter(result.final / "adapter.safetensors")
     assert adapter.meta.exit_layer == 2 and adapter.down.abs().sum() > 0  # trained: no longer plain early exit
+    assert adapter.meta.heads == heads and (not heads or adapter.out.abs().sum() > 0)
     m = selfspec.load(str(tiny_model_dir), dtype="float32")
     profile = selfspec.load_profile(result.final / "profile.json", m.fingerprint)
     assert profile.draft.strategy == "exit-adapter" and Path(profile.draft.adapter) == (result.final / "adapter.safetensors").resolve()

@@ -1,6 +1,6 @@
-"""The exit-adapter recipe (Kangaroo-style): the model stays frozen; a small residual MLP on
-the hidden state entering layer E (selfspec.adapter.ExitAdapter) learns to make the early
-exit's draft agree with the full model.
+"""The exit-adapter recipe (Kangaroo-style): the model stays frozen; a small residual block
+(an MLP, optionally after causal attention) on the hidden state entering layer E
+(selfspec.adapter.ExitAdapter) learns to make the early exit's draft agree with the full model.
 
 Teacher, once per training sequence (no gradients, through selfspec's own runtime, fp32):
     h_E      = layers 0..E-1 (embed -> run_layers(h, 0, E))
@@ -83,13 +83,22 @@ class AdapterTask:
         self.k = min(a.teacher_top_k, self.head.shape[1])
         torch.manual_seed(cfg.loop.seed)
         meta = AdapterMeta(exit_layer=self.E, hidden_size=m.spec.hidden_size, inner_size=a.adapter_size,
-                           model_fingerprint=m.fingerprint, draft_vocab=a.draft_vocab)
+                           model_fingerprint=m.fingerprint, draft_vocab=a.draft_vocab,
+                           heads=a.adapter_heads, head_dim=a.adapter_head_dim)
         self.adapter = ExitAdapter(meta).to(rt.device)
         self.params = list(self.adapter.parameters())
         # the training set: the first teacher_tokens // T sequences of the seeded order
         n = min(corpus.train.num_sequences, max(1, a.teacher_tokens // self.T))
         self.subset = sequence_order(corpus.train.num_sequences, cfg.loop.seed, 0, n)
-        self._teachers: dict[int, Teacher] = {}
+        # The teacher cache lives in three tensors allocated once ([n, T, ...], filled as
+        # sequences are first met): long-lived per-sequence blocks between the step's large
+        # temporaries would fragment the heap (a run once grew ~10 MB per sequence to an OOM).
+        H = m.spec.hidden_size
+        self._slot = {seq: i for i, seq in enumerate(self.subset)}
+        self._h = torch.empty(n, self.T, H, device=rt.device)
+        self._top_ids = torch.empty(n, self.T, self.k, dtype=torch.int32, device=rt.device)
+        self._top_p = torch.empty(n, self.T, self.k, device=rt.device)
+        self._filled = torch.zeros(n, dtype=torch.bool)
         self._eval: dict[int, EvalTeacher] = {}
         self._kv = rt.new_cache(self.T)
         self._norm = 1.0
@@ -111,13 +120,16 @@ class AdapterTask:
             p = (logits / self.tau).softmax(-1)
             top_p, top_ids = p.topk(self.k, dim=-1)
             top_p = top_p / top_p.sum(-1, keepdim=True)
-        return Teacher(h_e.float().clone(), top_ids.to(torch.int32), top_p), full_top, h_e
+        return Teacher(h_e.float(), top_ids.to(torch.int32), top_p), full_top, h_e
 
     def _teacher(self, seq: int) -> Teacher:
-        if seq not in self._teachers:
+        i = self._slot[seq]
+        if not self._filled[i]:
             ids, _, _ = self.corpus.train.sequences([seq])
-            self._teachers[seq] = self._run_teacher(ids[0].to(self.rt.device), full=False)[0]
-        return self._teachers[seq]
+            t = self._run_teacher(ids[0].to(self.rt.device), full=False)[0]
+            self._h[i], self._top_ids[i], self._top_p[i] = t.h, t.top_ids, t.top_p
+            self._filled[i] = True
+        return Teacher(self._h[i], self._top_ids[i], self._top_p[i])
 
     def _eval_teacher(self, seq: int) -> EvalTeacher:
         if seq not in self._eval:
@@ -127,7 +139,7 @@ class AdapterTask:
                 exit_full = self.rt.logits(h_e)
                 exit_top_full = exit_full.argmax(-1)
                 exit_top = exit_top_full if self.vocab is None else self.vocab[exit_full.index_select(1, self.vocab).argmax(-1)]
-            self._eval[seq] = EvalTeacher(t.h, t.top_ids, t.top_p, full_top, exit_top, exit_top_full)
+            self._eval[seq] = EvalTeacher(t.h.clone(), t.top_ids, t.top_p, full_top, exit_top, exit_top_full)
         return self._eval[seq]
 
     # ---- what the loop needs ---------------------------------------------------------------
@@ -139,8 +151,9 @@ class AdapterTask:
         return self.T
 
     def param_groups(self, weight_decay: float) -> list[dict]:
-        return [{"params": [self.adapter.up, self.adapter.down], "weight_decay": weight_decay},
-                {"params": [self.adapter.norm], "weight_decay": 0.0}]
+        matrices = [p for p in self.adapter.parameters() if p.dim() == 2]
+        gains = [p for p in self.adapter.parameters() if p.dim() < 2]
+        return [{"params": matrices, "weight_decay": weight_decay}, {"params": gains, "weight_decay": 0.0}]
 
     def train(self, on: bool) -> None:
         self.adapter.train(on)
@@ -152,10 +165,10 @@ class AdapterTask:
     def _kl(self, teachers: list[Teacher], weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (sum of weighted per-position KL(teacher top-k || draft), draft argmax [n*T] as
         positions in the draft vocabulary)."""
-        h = torch.cat([t.h for t in teachers])  # [n*T, H]
+        h = torch.stack([t.h for t in teachers])  # [n, T, H]: whole sequences (the adapter may attend)
         ids = torch.cat([t.top_ids for t in teachers]).long()  # [n*T, k]
         p = torch.cat([t.top_p for t in teachers])
-        logits = draft_logits(self.rt, self.adapter(h), self.head)  # [n*T, N] fp32
+        logits = draft_logits(self.rt, self.adapter(h).flatten(0, 1), self.head)  # [n*T, N] fp32
         logq = (logits / self.tau).log_softmax(-1).gather(1, ids)
         kl = (p * (p.clamp_min(1e-30).log() - logq)).sum(-1)
         return (kl * weights.reshape(-1).float()).sum(), logits.detach().argmax(-1)
@@ -219,6 +232,6 @@ class AdapterTask:
 
         self.save_weights(path)
         a = self.cfg.adapter
-        draft = DraftConfig(strategy="exit-adapter", exit_layer=self.E, num_speculations=a.num_speculations,
+        draft = DraftConfig(strategy="exit-adapter", exit_layer=self.E, num_speculations=a.num_speculations, draft_threshold=a.draft_threshold,
                             draft_vocab=a.draft_vocab, adapter=str((final_dir / ADAPTER_FILE).resolve()))
         save_profile(Profile(draft, self.m.fingerprint, self.m.name, metrics), path / PROFILE_FILE)

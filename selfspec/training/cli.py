@@ -4,7 +4,7 @@ training/config.py, generated from them, so defaults and checks live in one plac
     selfspec train --recipe layerskip --preset llama-12l --data stdlib --max-steps 2000 --out runs/ls
     selfspec train --recipe lm        --preset llama-12l --data stdlib --max-steps 2000 --out runs/lm
     selfspec train --recipe layerskip --model gemma-3-270m --data notes/ --seq-len 512 --out runs/g
-    selfspec train --recipe exit-adapter --model gemma-3-270m --exit-layer 6 --draft-vocab 16384 --out runs/ad
+    selfspec train --recipe exit-adapter --model gemma-3-270m --exit-layer 12 [--adapter-heads 8] --out runs/ad
     selfspec train --out runs/ls --resume [--max-steps 4000]       # settings come from the run
     torchrun --nproc-per-node 2 -m selfspec train ...               # data parallel
 """

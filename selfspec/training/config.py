@@ -121,8 +121,11 @@ class LayerSkipConfig:
 class AdapterConfig:
     exit_layer: int | None = _f(None, "exit-adapter: the adapter reads the hidden state entering layer E (drafts run layers 0..E-1)")
     adapter_size: int = _f(1024, "exit-adapter: inner size I of the adapter MLP (H -> I -> H)")
+    adapter_heads: int = _f(0, "exit-adapter: attention heads in the adapter, before its MLP (0 = the MLP alone: the cheapest draft)")
+    adapter_head_dim: int = _f(64, "exit-adapter: size of each adapter attention head")
     draft_vocab: int | None = _f(16384, "exit-adapter: draft over the N most frequent tokens (0 = the full vocabulary)")
-    num_speculations: int = _f(4, "exit-adapter: K written to the draft profile")
+    num_speculations: int = _f(6, "exit-adapter: K written to the draft profile (with a threshold: the most drafts per step)")
+    draft_threshold: float | None = _f(0.3, "exit-adapter: confidence threshold written to the draft profile: drafting stops below it (0 = always draft K)")
     distill_temperature: float = _f(1.0, "exit-adapter: softmax temperature of teacher and draft in the distillation loss")
     teacher_top_k: int = _f(64, "exit-adapter: teacher probabilities kept per position (the soft targets; the rest of the mass is dropped)")
     teacher_tokens: int = _f(200_000, "exit-adapter: training tokens the frozen model is run over once (then cached and revisited for more epochs)")
@@ -131,8 +134,15 @@ class AdapterConfig:
         if self.exit_layer is not None:
             _check(isinstance(self.exit_layer, int) and self.exit_layer >= 1, f"--exit-layer must be a positive integer, got {self.exit_layer}")
         _positive_int(self.adapter_size, "adapter-size")
+        _check(isinstance(self.adapter_heads, int) and self.adapter_heads >= 0, f"--adapter-heads must be >= 0, got {self.adapter_heads}")
+        _positive_int(self.adapter_head_dim, "adapter-head-dim")
+        _check(self.adapter_head_dim % 2 == 0, f"--adapter-head-dim must be even (rotary pairs), got {self.adapter_head_dim}")
         if self.draft_vocab == 0:
             object.__setattr__(self, "draft_vocab", None)
+        if self.draft_threshold is not None:
+            _check(0.0 <= self.draft_threshold < 1.0, f"--draft-threshold must be in [0, 1), got {self.draft_threshold}")
+            if self.draft_threshold == 0:
+                object.__setattr__(self, "draft_threshold", None)
         _positive_int(self.draft_vocab, "draft-vocab", allow_none=True)
         _check(isinstance(self.num_speculations, int) and 1 <= self.num_speculations <= 16, f"--num-speculations must be in 1..16, got {self.num_speculations}")
         _check(self.distill_temperature > 0 and math.isfinite(self.distill_temperature), f"--distill-temperature must be > 0, got {self.distill_temperature}")
