@@ -46,6 +46,7 @@ from selfspec.config import DraftConfig  # noqa: E402
 from selfspec.profiles import atomic_write_text  # noqa: E402
 from selfspec.tools.bench import Settings, aggregate_runs, environment, measured_generate, run_record  # noqa: E402
 from selfspec.tools.datasets import load_dataset  # noqa: E402
+from selfspec.training.adapter_train import distill_kl, teacher_targets  # noqa: E402
 from selfspec.training.config import AdapterConfig, DataConfig, LoopConfig, ModelConfig, TrainConfig  # noqa: E402
 from selfspec.training.trainer import train  # noqa: E402
 
@@ -109,7 +110,7 @@ def time_teacher_and_step(args) -> tuple[float, float, float]:
         for _ in range(3):  # as the trainer's teacher: both halves, the draft-vocabulary head, top-64 targets
             t = time.perf_counter()
             h_e = rt.run_layers(rt.embed(ids), 0, E, 0, cache)
-            top_p, top_ids = rt.logits(rt.run_layers(h_e, E, rt.num_layers, 0, cache), head=head).softmax(-1).topk(64, dim=-1)
+            top_p, top_ids = teacher_targets(rt.logits(rt.run_layers(h_e, E, rt.num_layers, 0, cache), head=head), 1.0, 64)
             times.append(time.perf_counter() - t)
         t = time.perf_counter()
         rt.logits(rt.run_layers(h_e, E, rt.num_layers, 0, cache))  # the evaluation's full head
@@ -121,8 +122,7 @@ def time_teacher_and_step(args) -> tuple[float, float, float]:
     steps = []
     for _ in range(3):  # as the trainer's step: KL to the top-64 targets, backward, clipping, AdamW
         t = time.perf_counter()
-        logq = draft_logits(rt, adapter(h).flatten(0, 1), head).log_softmax(-1).gather(1, ids64)
-        (p64 * (p64.log() - logq)).sum().backward()
+        distill_kl(draft_logits(rt, adapter(h).flatten(0, 1), head), ids64, p64, 1.0).sum().backward()
         torch.nn.utils.clip_grad_norm_(adapter.parameters(), 1.0)
         opt.step()
         opt.zero_grad()

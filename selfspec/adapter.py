@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from selfspec.errors import SelfSpecError
+from selfspec.runtime import apply_rotary
 
 FORMAT = "selfspec-exit-adapter/1"
 
@@ -106,42 +107,34 @@ class ExitAdapter(torch.nn.Module):
         return (x + matmul(F.silu(matmul(y, w.up)), w.down)).to(h.dtype)
 
     def _attention(self, a: torch.Tensor, w: AdapterWeights, matmul, pos: int, cache: AdapterCache | None) -> torch.Tensor:
-        """a [..., T, H] -> concatenated head outputs [..., T, heads*head_dim]."""
+        """a [..., T, H] -> concatenated head outputs [..., T, heads*head_dim]. Without a cache:
+        whole sequences from position 0. With one: positions pos..pos+T-1 of one sequence,
+        whose keys/values are written to the cache before they attend to every cached key."""
         nh, d = self.meta.heads, self.meta.head_dim
         T = a.shape[-2]
-        qkv = matmul(a, w.qkv).unflatten(-1, (3, nh, d))  # [..., T, 3, nh, d]
-        if cache is None:  # whole sequences from position 0: plain causal attention
-            cos, sin = rope_table(self.meta, 0, T, a.device)
-            qk = _rotate(qkv[..., :2, :, :], cos[:, None], sin[:, None])
-            q, k, v = qk[..., 0, :, :], qk[..., 1, :, :], qkv[..., 2, :, :]  # each [..., T, nh, d]
-            o = F.scaled_dot_product_attention(q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2), is_causal=True)
-            return o.transpose(-3, -2).flatten(-2)
-        # one sequence, positions pos..pos+T-1: write their keys/values, attend to every key up to their own
-        qk = _rotate(qkv[:, :2], cache.cos[pos : pos + T, None], cache.sin[pos : pos + T, None])
-        cache.k[:, pos : pos + T], cache.v[:, pos : pos + T] = qk[:, 1].transpose(0, 1), qkv[:, 2].transpose(0, 1)
-        # explicit ops, not scaled_dot_product_attention: at one query per call its set-up costs
-        # more than the arithmetic (~0.1 ms of a draft token)
-        scores = torch.matmul(qk[:, 0].transpose(0, 1), cache.k[:, : pos + T].transpose(1, 2)) * d**-0.5  # [nh, T, pos+T]
-        if T > 1:  # a single query sees every cached key anyway
+        qkv = matmul(a, w.qkv).unflatten(-1, (3, nh, d)).movedim(-4, -2)  # [..., 3, nh, T, d]
+        cos, sin = rope_table(self.meta, 0, T, a.device) if cache is None else (cache.cos[pos : pos + T], cache.sin[pos : pos + T])
+        q, k = apply_rotary(qkv[..., :2, :, :, :], cos, sin).unbind(-4)  # each [..., nh, T, d]
+        v = qkv[..., 2, :, :, :]
+        if cache is not None:
+            cache.k[:, pos : pos + T], cache.v[:, pos : pos + T] = k, v
+            k, v = cache.k[:, : pos + T], cache.v[:, : pos + T]
+        # explicit ops rather than scaled_dot_product_attention: at one query per draft its
+        # set-up costs more than the arithmetic
+        scores = torch.matmul(q, k.transpose(-1, -2)) * d**-0.5  # [..., nh, T, pos+T]
+        if T > 1:  # causal; a single query sees every cached key anyway
             keys = torch.arange(pos + T, device=a.device)
             scores = scores.masked_fill(keys[None, :] > (pos + torch.arange(T, device=a.device))[:, None], float("-inf"))
-        o = torch.matmul(scores.softmax(-1), cache.v[:, : pos + T])  # [nh, T, d]
-        return o.transpose(0, 1).flatten(-2)
+        return torch.matmul(scores.softmax(-1), v).transpose(-3, -2).flatten(-2)
 
 
 def rope_table(meta: AdapterMeta, start: int, stop: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of the adapter's rotary angles for positions start..stop-1: each [T, 1, d]."""
+    """cos, sin of the adapter's rotary angles for positions start..stop-1: each [T, head_dim]."""
     d = meta.head_dim
     inv = meta.rope_theta ** (-torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)  # [d/2]
     ang = torch.arange(start, stop, device=device, dtype=torch.float32)[:, None] * inv  # [T, d/2]
-    ang = torch.cat([ang, ang], -1)[:, None, :]  # [T, 1, d]: broadcast over heads
+    ang = torch.cat([ang, ang], -1)
     return ang.cos(), ang.sin()
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, half-split convention, on the last dimension of x."""
-    x1, x2 = x.chunk(2, -1)
-    return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
 def save_adapter(adapter: ExitAdapter, path: str | os.PathLike) -> None:

@@ -101,6 +101,10 @@ class Drafter:
         ids = torch.tensor([step.tokens[-1], *draft.tokens], device=self.rt.device)
         return self.rt.forward(ids, step.pos, step.cache)
 
+    def verify_foreign(self, step: Step, draft: Draft) -> torch.Tensor:
+        """Verify drafts this drafter did not make (prompt lookup's): a full forward pass."""
+        return Drafter.verify(self, step, draft)
+
     def accepted(self, step: Step, draft: Draft, n: int) -> None:
         if self.threshold is not None and self.cfg.adaptive:
             self.threshold.update(n, len(draft.tokens))
@@ -154,8 +158,9 @@ class EarlyExitDrafter(Drafter):
         self.exit = cfg.exit_layer
         self._exit_h: list[torch.Tensor] = []
 
-    def _exit_hidden(self, token: int, pos: int, cache: KVCache) -> torch.Tensor:
-        ids = torch.tensor([token], device=self.rt.device)
+    def _exit_hidden(self, tokens, pos: int, cache: KVCache) -> torch.Tensor:
+        """Layers 0..E-1 over tokens (ids) at positions pos.. (their KV written): -> [T, H]."""
+        ids = torch.as_tensor(tokens, device=self.rt.device)
         return self.rt.run_layers(self.rt.embed(ids), 0, self.exit, pos, cache)
 
     def draft(self, step: Step) -> Draft:
@@ -163,7 +168,7 @@ class EarlyExitDrafter(Drafter):
         self._exit_h = []
         token = step.tokens[-1]
         for j in range(step.k):
-            h = self._exit_hidden(token, step.pos + j, step.cache)  # [1, H]
+            h = self._exit_hidden([token], step.pos + j, step.cache)  # [1, H]
             self._exit_h.append(h)
             if not self._choose(self._draft_logits(self._head_input(h, step.pos + j)), step, d):
                 break
@@ -178,8 +183,7 @@ class EarlyExitDrafter(Drafter):
         inputs = [step.tokens[-1], *draft.tokens]
         j = len(self._exit_h)
         if j < len(inputs):  # inputs not yet through layers < E: the last draft, or drafts from elsewhere
-            ids = torch.tensor(inputs[j:], device=self.rt.device)
-            self._exit_h.append(self.rt.run_layers(self.rt.embed(ids), 0, self.exit, step.pos + j, step.cache))
+            self._exit_h.append(self._exit_hidden(inputs[j:], step.pos + j, step.cache))
             self._exits_written(self._exit_h[-1], step.pos + j)
         h = torch.cat(self._exit_h)  # [k+1, H]
         h = self.rt.run_layers(h, self.exit, self.rt.num_layers, step.pos, step.cache)
@@ -189,8 +193,8 @@ class EarlyExitDrafter(Drafter):
         """Hook: exit hidden states h [T, H] at positions pos.. were computed outside drafting."""
 
     def verify_foreign(self, step: Step, draft: Draft) -> torch.Tensor:
-        """Verify drafts that came from elsewhere (prompt lookup): the same pass as verify,
-        through the exit so this drafter's per-position state stays complete."""
+        """The same pass as verify, through the exit, so this drafter's per-position state
+        stays complete."""
         self._exit_h = []
         return self.verify(step, draft)
 
@@ -217,8 +221,8 @@ class ExitAdapterDrafter(EarlyExitDrafter):
         # the drafts change, never the verified output.
         w = adapter.weights()
         if runtime.uses_kernels:
-            pack = lambda t: None if t is None else runtime.prepare_weight(t.detach().to(runtime.dtype).contiguous())  # noqa: E731
-            w = AdapterWeights(pack(w.up), pack(w.down), pack(w.qkv), pack(w.out))
+            w = AdapterWeights(**{name: None if t is None else runtime.prepare_weight(t.detach().to(runtime.dtype).contiguous())
+                                  for name, t in vars(w).items()})
             self._matmul = kernels.matmul
         else:
             self._matmul = torch.matmul
@@ -238,7 +242,7 @@ class ExitAdapterDrafter(EarlyExitDrafter):
         if not self.attends:
             return super().prefill(ids, cache)
         self.start(cache)
-        h = self.rt.run_layers(self.rt.embed(ids), 0, self.exit, 0, cache)  # [P, H]
+        h = self._exit_hidden(ids, 0, cache)  # [P, H]
         self._exits_written(h, 0)
         h = self.rt.run_layers(h, self.exit, self.rt.num_layers, 0, cache)
         return self.rt.logits(h[-1:])[0]
@@ -248,8 +252,7 @@ class ExitAdapterDrafter(EarlyExitDrafter):
         calibration pass): its exit hidden states again, for the adapter's keys/values.
         Layers < E rewrite identical KV: every row is computed on its own."""
         if self.attends and self._kv_len < step.pos:
-            ids = torch.tensor(step.tokens[self._kv_len : step.pos], device=self.rt.device)
-            self._exits_written(self.rt.run_layers(self.rt.embed(ids), 0, self.exit, self._kv_len, step.cache), self._kv_len)
+            self._exits_written(self._exit_hidden(step.tokens[self._kv_len : step.pos], self._kv_len, step.cache), self._kv_len)
 
     def draft(self, step):
         self._catch_up(step)
@@ -498,8 +501,8 @@ class AutoDrafter(Drafter):
 
 class LookupFirstDrafter(Drafter):
     """Prompt lookup when the context has a match (free drafts), else the wrapped
-    self-drafter. A lookup draft is verified by a full forward pass, which writes the KV of
-    every layer, so the self-drafter's exit-query cache is never needed for it."""
+    self-drafter. The wrapped drafter verifies lookup drafts too (verify_foreign: a full
+    forward pass, or early exit's split one), so any per-position state it keeps stays whole."""
 
     def __init__(self, inner: Drafter):
         super().__init__(inner.rt, inner.cfg, tuple(inner.eos_ids))
@@ -523,11 +526,7 @@ class LookupFirstDrafter(Drafter):
         return d if d.tokens else self.inner.draft(step)
 
     def verify(self, step, draft):
-        if not self._from_lookup:
-            return self.inner.verify(step, draft)
-        if isinstance(self.inner, EarlyExitDrafter):  # the same cost, and the inner's state stays whole
-            return self.inner.verify_foreign(step, draft)
-        return Drafter.verify(self, step, draft)
+        return self.inner.verify_foreign(step, draft) if self._from_lookup else self.inner.verify(step, draft)
 
     def accepted(self, step, draft, n):
         if not self._from_lookup:  # the adaptive threshold follows the self-drafter's own drafts

@@ -54,6 +54,13 @@ def _kernel_mm(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tenso
     return y if b is None else y + b
 
 
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, HF's rotate_half convention: x [..., T, D]; cos/sin [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
 class Runtime:
     def __init__(self, spec: ModelSpec, weights: dict, hf_config, dtype: torch.dtype, device: torch.device):
         self.spec = spec
@@ -158,12 +165,6 @@ class Runtime:
             return F.rms_norm(x.float(), (x.shape[-1],), w, eps).to(x.dtype)
         return w.to(x.dtype) * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [heads, T, D]; cos/sin [T, D] (HF's rotate_half convention)."""
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
-
     def _attention(self, i: int, x: torch.Tensor, pos: int, cache: KVCache, mask: torch.Tensor) -> torch.Tensor:
         s, L = self.spec, self.layers[i]
         T = x.shape[0]
@@ -177,7 +178,7 @@ class Runtime:
             k = self._norm(k, L["k_norm"])
         cos, sin = self._rope[s.rope_kinds[i]]
         cos, sin = cos[pos : pos + T], sin[pos : pos + T]
-        q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         cache.write(i, pos, k, v)
         # Group the query heads that share a kv head: [nkv, g*T, D], rows padded as in _mm
         # so decode and verify hit the same matmul kernel.

@@ -605,3 +605,18 @@ def test_cli_rejects_an_unwritable_output_and_never_overwrites_a_run(tmp_path, c
     _user_error(capsys, ["--out", str(run), "--resume"], "nothing to resume")
     assert (run / "final" / "model.safetensors").read_bytes() == b"precious"
     assert sorted(p.name for p in run.iterdir()) == ["final"]
+
+
+def test_distillation_targets_and_kl_are_the_formulas():
+    from selfspec.training.adapter_train import distill_kl, teacher_targets
+
+    g = torch.Generator().manual_seed(0)
+    teacher, draft = torch.randn(5, 12, generator=g), torch.randn(5, 12, generator=g)
+    p, ids = teacher_targets(teacher, 2.0, 12)  # k = N: the whole distribution, nothing dropped
+    torch.testing.assert_close(p.sum(-1), torch.ones(5))
+    torch.testing.assert_close(p, (teacher / 2.0).softmax(-1).gather(1, ids))
+    want = torch.nn.functional.kl_div((draft / 2.0).log_softmax(-1), (teacher / 2.0).softmax(-1), reduction="none").sum(-1)
+    torch.testing.assert_close(distill_kl(draft, ids, p, 2.0), want)
+    assert distill_kl(teacher, ids, p, 2.0).abs().max() < 1e-6  # the draft equal to the teacher: no loss
+    p3, ids3 = teacher_targets(teacher, 1.0, 3)
+    assert torch.equal(ids3, teacher.topk(3, dim=-1).indices) and torch.allclose(p3.sum(-1), torch.ones(5))

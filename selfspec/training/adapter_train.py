@@ -60,6 +60,19 @@ class EvalTeacher(Teacher):
     exit_top_full: torch.Tensor = None  # [T]: plain early exit's argmax over the whole vocabulary
 
 
+def teacher_targets(logits: torch.Tensor, tau: float, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, N] -> (p [T, k], ids [T, k]): the top-k of softmax(logits / tau), renormalised."""
+    top_p, top_ids = (logits / tau).softmax(-1).topk(k, dim=-1)
+    return top_p / top_p.sum(-1, keepdim=True), top_ids
+
+
+def distill_kl(draft: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, tau: float) -> torch.Tensor:
+    """KL(teacher top-k || softmax(draft / tau)) per position: draft logits [T, N], the
+    teacher's ids [T, k] (int64) and probabilities p [T, k] -> [T]."""
+    logq = (draft / tau).log_softmax(-1).gather(1, ids)
+    return (p * (p.clamp_min(1e-30).log() - logq)).sum(-1)
+
+
 def check_model(cfg: TrainConfig, m) -> None:
     L, V = m.spec.num_layers, m.spec.vocab_size
     E = cfg.adapter.exit_layer
@@ -94,11 +107,10 @@ class AdapterTask:
         # sequences are first met): long-lived per-sequence blocks between the step's large
         # temporaries would fragment the heap (a run once grew ~10 MB per sequence to an OOM).
         H = m.spec.hidden_size
-        self._slot = {seq: i for i, seq in enumerate(self.subset)}
         self._h = torch.empty(n, self.T, H, device=rt.device)
         self._top_ids = torch.empty(n, self.T, self.k, dtype=torch.int32, device=rt.device)
         self._top_p = torch.empty(n, self.T, self.k, device=rt.device)
-        self._filled = torch.zeros(n, dtype=torch.bool)
+        self._filled = torch.zeros(n, dtype=torch.bool)  # by position in self.subset
         self._eval: dict[int, EvalTeacher] = {}
         self._kv = rt.new_cache(self.T)
         self._norm = 1.0
@@ -117,15 +129,13 @@ class AdapterTask:
                 full_top = logits_full.argmax(-1)
             else:
                 logits, full_top = rt.logits(h_l, head=self.head), None
-            p = (logits / self.tau).softmax(-1)
-            top_p, top_ids = p.topk(self.k, dim=-1)
-            top_p = top_p / top_p.sum(-1, keepdim=True)
+            top_p, top_ids = teacher_targets(logits, self.tau, self.k)
         return Teacher(h_e.float(), top_ids.to(torch.int32), top_p), full_top, h_e
 
-    def _teacher(self, seq: int) -> Teacher:
-        i = self._slot[seq]
+    def _teacher(self, i: int) -> Teacher:
+        """The teacher of training sequence self.subset[i], run the first time it is met."""
         if not self._filled[i]:
-            ids, _, _ = self.corpus.train.sequences([seq])
+            ids, _, _ = self.corpus.train.sequences([self.subset[i]])
             t = self._run_teacher(ids[0].to(self.rt.device), full=False)[0]
             self._h[i], self._top_ids[i], self._top_p[i] = t.h, t.top_ids, t.top_p
             self._filled[i] = True
@@ -169,14 +179,12 @@ class AdapterTask:
         ids = torch.cat([t.top_ids for t in teachers]).long()  # [n*T, k]
         p = torch.cat([t.top_p for t in teachers])
         logits = draft_logits(self.rt, self.adapter(h).flatten(0, 1), self.head)  # [n*T, N] fp32
-        logq = (logits / self.tau).log_softmax(-1).gather(1, ids)
-        kl = (p * (p.clamp_min(1e-30).log() - logq)).sum(-1)
+        kl = distill_kl(logits, ids, p, self.tau)
         return (kl * weights.reshape(-1).float()).sum(), logits.detach().argmax(-1)
 
     def micro_loss(self, step: int, micro: int, rows: list[int], start: int, global_rows: int):
-        seqs = [self.subset[i] for i in rows]
-        teachers = [self._teacher(s) for s in seqs]
-        _, _, weights = self.corpus.train.sequences(seqs)
+        teachers = [self._teacher(i) for i in rows]
+        _, _, weights = self.corpus.train.sequences([self.subset[i] for i in rows])
         kl, _ = self._kl(teachers, weights.to(self.rt.device))
         loss = kl / self._norm
         return loss, {"loss": loss.detach()}
