@@ -56,7 +56,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "has_pairs", "supports", "matmul", "pack", "pack_rows", "PackedWeight", "FusedBlocks"]
+__all__ = ["available", "has_pairs", "supports", "matmul", "pack", "pack_rows", "PackedWeight", "FusedBlocks", "norm_rows", "softcap_"]
 
 _SRCS = [Path(__file__).with_name("csrc") / name for name in ("gemm.c", "blocks.c")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
@@ -141,7 +141,7 @@ def _load():
                                                  ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
             ref = dll.selfspec_gemm_ref
             ref.restype = ctypes.c_int
-            ref.argtypes = [ctypes.c_long] * 3 + [ctypes.c_void_p] * 3
+            ref.argtypes = [ctypes.c_long] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_void_p]
             dll.selfspec_gemm_pairs_ref.restype = ctypes.c_int
             dll.selfspec_gemm_pairs_ref.argtypes = [ctypes.c_long] * 3 + [ctypes.c_void_p] * 3
             dll.selfspec_has_pairs.restype = ctypes.c_int
@@ -150,8 +150,14 @@ def _load():
             dll.selfspec_attn_block.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 2
                                                 + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int])
             dll.selfspec_mlp_block.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long, ctypes.c_int]
+            dll.selfspec_norm_rows.restype = ctypes.c_int
+            dll.selfspec_norm_rows.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
+                                               ctypes.c_float, ctypes.c_void_p]
+            dll.selfspec_softcap.restype = ctypes.c_int
+            dll.selfspec_softcap.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_float]
             _lib = (fn, ref)
             _blocks.update(attn=dll.selfspec_attn_block, mlp=dll.selfspec_mlp_block,
+                           norm_rows=dll.selfspec_norm_rows, softcap=dll.selfspec_softcap,
                            pairs=bool(dll.selfspec_has_pairs()), pairs_ref=dll.selfspec_gemm_pairs_ref)
         except Exception as e:  # noqa: BLE001 - any failure means "use torch"
             _load_error = f"{type(e).__name__}: {e}"
@@ -336,12 +342,12 @@ def matmul(x: torch.Tensor, w: torch.Tensor | PackedWeight, *, num_threads: int 
 
 
 def _reference_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Scalar C reference of the same FMA chain (fp32 x, bf16 plain w, fp32 out); tests only."""
+    """Scalar C reference of the same FMA chain (fp32 x, bf16 or fp32 plain w, fp32 out); tests only."""
     _, ref = _load()
     x = x.float().contiguous()
     w = w.contiguous()
     y = torch.empty(x.shape[0], w.shape[1], dtype=torch.float32)
-    ref(x.shape[0], x.shape[1], w.shape[1], x.data_ptr(), w.data_ptr(), y.data_ptr())
+    ref(x.shape[0], x.shape[1], w.shape[1], x.data_ptr(), w.data_ptr(), w.dtype == torch.bfloat16, y.data_ptr())
     return y
 
 
@@ -360,7 +366,7 @@ def _reference_pairs(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 class _Dims(ctypes.Structure):
     _fields_ = [(n, ctypes.c_long) for n in ("hidden", "heads", "kv_heads", "head_dim", "inter")] + [
         ("eps", ctypes.c_float), ("attn_scale", ctypes.c_float),
-        ("act", ctypes.c_int), ("qk_norm", ctypes.c_int), ("sandwich", ctypes.c_int)]
+        ("act", ctypes.c_int), ("qk_norm", ctypes.c_int), ("sandwich", ctypes.c_int), ("f32", ctypes.c_int)]
 
 
 _WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")
@@ -378,20 +384,25 @@ _ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 
 
 class FusedBlocks:
-    """One C call per attention / MLP sub-layer (bf16 residual and cache, fp32 in between).
+    """One C call per attention / MLP sub-layer (residual stream, cache and matrices in one
+    storage dtype, bf16 or fp32; fp32 in between).
 
     Row-invariant like matmul (see csrc/blocks.c for the fixed reduction orders), so a verify
     pass over T rows equals T single-row steps bit for bit. `layers` are the runtime's layer
-    dicts ([in, out] bf16 matrices or PackedWeights, fp32 norm vectors, optional biases);
+    dicts ([in, out] matrices of `dtype` or PackedWeights, fp32 norm vectors, optional biases);
     the C structs hold raw pointers, so this object keeps every tensor it points at alive.
     """
 
     def __init__(self, *, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float,
-                 attn_scale: float, activation: str, qk_norm: bool, sandwich: bool, layers: list[dict]):
+                 attn_scale: float, activation: str, qk_norm: bool, sandwich: bool, layers: list[dict],
+                 dtype: torch.dtype = torch.bfloat16):
         if not available():
             raise RuntimeError(f"kernels not available ({_load_error or 'disabled'})")
+        if dtype not in _DTYPES:
+            raise ValueError(f"FusedBlocks: unsupported dtype {dtype}")
+        self.dtype = dtype
         self.dims = _Dims(hidden, heads, kv_heads, head_dim, inter, eps, attn_scale,
-                          _ACTIVATIONS[activation], int(qk_norm), int(sandwich))
+                          _ACTIVATIONS[activation], int(qk_norm), int(sandwich), int(dtype == torch.float32))
         self._keep: list = []
         self.layers = []
         for L in layers:
@@ -399,8 +410,8 @@ class FusedBlocks:
             for name, flag in zip(_WEIGHTS, ("wqkv_packed", "wo_packed", "gu_packed", "down_packed")):
                 w = L[name]
                 t = w.data if isinstance(w, PackedWeight) else w
-                if t.dtype != torch.bfloat16 or not t.is_contiguous():
-                    raise ValueError(f"FusedBlocks: {name} must be a contiguous bf16 matrix")
+                if t.dtype != dtype or not t.is_contiguous():
+                    raise ValueError(f"FusedBlocks: {name} must be a contiguous {dtype} matrix")
                 setattr(s, name, t.data_ptr())
                 setattr(s, flag, (2 if w.pairs else 1) if isinstance(w, PackedWeight) else 0)
                 self._keep.append(t)
@@ -416,8 +427,9 @@ class FusedBlocks:
 
     def attention(self, i: int, h: torch.Tensor, pos: int, cache, window: int | None,
                   cos: torch.Tensor, sin: torch.Tensor, threads: int) -> None:
-        """h [T, H] bf16 contiguous, updated in place; cache: a KVCache (bf16, contiguous) whose
-        layer-i rows pos..pos+T-1 are written; cos/sin fp32 [T, D] for these positions."""
+        """h [T, H] contiguous (self.dtype), updated in place; cache: a KVCache (self.dtype,
+        contiguous) whose layer-i rows pos..pos+T-1 are written; cos/sin fp32 [T, D] for
+        these positions."""
         kt, v = cache.kt, cache.v  # [L, kv, D, cap] / [L, kv, cap, D]: layer i by pointer, no views
         rc = self._attn(self._dims_ptr, self._layer_ptrs[i], h.data_ptr(), h.shape[0], pos,
                         kt.data_ptr() + i * kt.stride(0) * kt.element_size(), v.data_ptr() + i * v.stride(0) * v.element_size(),
@@ -426,7 +438,36 @@ class FusedBlocks:
             raise RuntimeError(f"kernels: attention block returned {rc}")
 
     def mlp(self, i: int, h: torch.Tensor, threads: int) -> None:
-        """h [T, H] bf16 contiguous, updated in place."""
+        """h [T, H] contiguous (self.dtype), updated in place."""
         rc = self._mlp(self._dims_ptr, self._layer_ptrs[i], h.data_ptr(), h.shape[0], threads)
         if rc:
             raise RuntimeError(f"kernels: MLP block returned {rc}")
+
+
+def norm_rows(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of every row of h [T, H] (bf16/fp32, CPU) times w (fp32 [H]), in h's dtype:
+    fp32 arithmetic with the fused blocks' fixed per-row reduction (row-invariant)."""
+    if not available():
+        raise RuntimeError(f"kernels.norm_rows: kernel not available ({_load_error or 'disabled'})")
+    if h.dtype not in _DTYPES or h.dim() != 2 or h.device.type != "cpu":
+        raise ValueError("kernels.norm_rows: h must be a 2-D bf16/fp32 CPU tensor")
+    h = h.detach().contiguous()
+    w = w.detach().float().contiguous()
+    if w.shape != (h.shape[1],):
+        raise ValueError(f"kernels.norm_rows: weight shape {tuple(w.shape)} does not match rows of {h.shape[1]}")
+    out = torch.empty_like(h)
+    rc = _blocks["norm_rows"](h.data_ptr(), h.dtype == torch.float32, h.shape[0], h.shape[1], w.data_ptr(), eps, out.data_ptr())
+    if rc:
+        raise RuntimeError(f"kernels.norm_rows: returned {rc}")
+    return out
+
+
+def softcap_(y: torch.Tensor, cap: float) -> torch.Tensor:
+    """y = cap * tanh(y / cap) in place (fp32 contiguous CPU); each element's arithmetic is the
+    same wherever it sits in the tensor (row-invariant)."""
+    if y.dtype != torch.float32 or not y.is_contiguous() or y.device.type != "cpu":
+        raise ValueError("kernels.softcap_: y must be a contiguous fp32 CPU tensor")
+    rc = _blocks["softcap"](y.data_ptr(), y.numel(), cap)
+    if rc:
+        raise RuntimeError(f"kernels.softcap_: returned {rc}")
+    return y

@@ -6,22 +6,29 @@ Primitives (what drafting and verification are built from):
   logits(h, head=None)            -> [T, V] (or [T, N] through a restricted draft head)
 Sub-layers can be skipped per call (`skip_attn`, `skip_mlp`: the residual passes through).
 
-Batch size is 1 and tensors carry no batch dimension. Two choices make a verify pass over T
-positions produce *bit-identical* rows to T single-token steps (so speculative greedy output
-equals autoregressive output exactly, not just up to rounding):
+Batch size is 1 and tensors carry no batch dimension. A verify pass over T positions must
+produce *bit-identical* rows to T single-token steps (so speculative greedy output equals
+autoregressive output exactly, not just up to rounding).
+
+On the CPU (bf16 and fp32, x86-64 with AVX-512) that holds by construction: one C call per
+attention / MLP sub-layer (kernels.FusedBlocks, csrc/blocks.c) whose matmuls are the
+fixed-chain kernel (csrc/gemm.c) and whose attention loops over exactly the visible keys in
+order; the final norm, LM head and soft-cap are the same kernels. Every row is computed alone
+with fixed reduction orders, whatever T, the thread count, alignment or the BLAS. (It was also
+~45% of a decode step's time to dispatch the ~60 small torch ops per layer it replaces.)
+
+Elsewhere (CUDA; a CPU where the kernel cannot build) the torch path below is used and the
+guarantee rests on the BLAS picking the same kernel for every row count, which we encourage:
   * every matmul is `x @ w` with w stored [in, out] (BLAS's transposed-B kernels
-    switch algorithms with the row count) and x padded to >= 2 rows: on the CPU
-    BLAS, the M=1 (gemv) kernel rounds differently from M>=2, while M>=2 rows agree;
+    switch algorithms with the row count) and x padded to a fixed minimum row count;
   * attention always spans the cache's full capacity under a mask (see cache.py).
-bf16 on an AVX-512 CPU takes a third path with the same guarantee by construction: one C call
-per attention / MLP sub-layer (kernels.FusedBlocks, csrc/blocks.c) whose matmuls are the
-fixed-chain kernel and whose attention loops over exactly the visible keys in order. It was
-~45% of a decode step's time to dispatch the ~60 small torch ops per layer it replaces.
+On such a CPU a warning says once that exact losslessness then depends on the BLAS.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +40,18 @@ from selfspec.config import MAX_SPECULATIONS
 
 
 _MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
+_log = logging.getLogger("selfspec")
+_warned_no_kernels = False
+
+
+def _warn_no_kernels() -> None:
+    """Once per process: a CPU runtime without our kernels is exact only as far as the BLAS is."""
+    global _warned_no_kernels
+    if not _warned_no_kernels:
+        _warned_no_kernels = True
+        _log.warning("selfspec: the CPU kernels are unavailable here (%s); decoding runs on torch, so bit-exact "
+                     "speculative output on the CPU now depends on the BLAS choosing the same kernels for every "
+                     "row count", kernels.load_error() or "disabled by SELFSPEC_NO_KERNELS")
 
 
 def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -70,9 +89,11 @@ class Runtime:
         self.final_norm: torch.Tensor = weights["final_norm"]
         self.embed_weight: torch.Tensor | None = weights["embed"]  # [V, H] if untied
         self.hf_config = hf_config
-        # bf16 on the CPU goes through our kernel when it compiled here; everything else
-        # (fp32, CUDA) through torch. One choice per runtime: decode and verify must share it.
-        self.uses_kernels = self.device.type == "cpu" and dtype == torch.bfloat16 and kernels.available()
+        # The CPU goes through our kernels when they compiled here; CUDA through torch. One
+        # choice per runtime: decode and verify must share it.
+        self.uses_kernels = self.device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and kernels.available()
+        if self.device.type == "cpu" and not self.uses_kernels:
+            _warn_no_kernels()
         # Row padding: CPU BLAS agrees for any >= 2 rows; cuBLAS picks kernels by shape, so on
         # CUDA every decode/verify matmul runs at one fixed row count (static shapes).
         self.min_rows = 2 if self.device.type == "cpu" else 2 * MAX_SPECULATIONS
@@ -90,13 +111,13 @@ class Runtime:
         self._embed_scale = (
             None if s.embed_scale is None else torch.tensor(s.embed_scale, dtype=dtype).item()
         )
-        # bf16 CPU: one C call per sub-layer (kernels.FusedBlocks) instead of ~30 torch ops.
+        # CPU: one C call per sub-layer (kernels.FusedBlocks) instead of ~30 torch ops.
         self.blocks = None
         if self.uses_kernels:
             self.blocks = kernels.FusedBlocks(
                 hidden=s.hidden_size, heads=s.num_heads, kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                 inter=self.layers[0]["w_down"].shape[0], eps=s.rms_norm_eps, attn_scale=s.attn_scale,
-                activation=s.activation, qk_norm=s.qk_norm, sandwich=s.sandwich_norms, layers=self.layers)
+                activation=s.activation, qk_norm=s.qk_norm, sandwich=s.sandwich_norms, layers=self.layers, dtype=dtype)
 
     @classmethod
     def from_state_dict(cls, spec: ModelSpec, state_dict: dict, hf_config, dtype=torch.float32, device="cpu"):
@@ -140,6 +161,10 @@ class Runtime:
         """Bytes of weights one decode step reads (layers + LM head; the embedding is a gather)."""
         tensors = [getattr(t, "data", t) for L in self.layers for t in L.values()] + [getattr(self.head, "data", self.head), self.final_norm]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def head_weight(self) -> torch.Tensor:
+        """The whole LM head as a plain [H, V] tensor (a copy when it is stored packed)."""
+        return self.head.unpack() if isinstance(self.head, kernels.PackedWeight) else self.head
 
     def head_columns(self, ids: torch.Tensor) -> torch.Tensor:
         """Columns `ids` of the LM head: [H, len(ids)]."""
@@ -252,9 +277,13 @@ class Runtime:
     def logits(self, h: torch.Tensor, head=None) -> torch.Tensor:
         """Final norm + LM head. h [T, H] -> [T, V] (fp32). `head` is a [H, N] slice of the
         LM head for a restricted draft vocabulary, from prepare_weight(head_columns(ids))."""
+        cap = self.spec.final_logit_softcap
+        if self.uses_kernels:  # row-invariant by construction (module doc)
+            out = self._mm(kernels.norm_rows(h, self.final_norm, self.spec.rms_norm_eps), self.head if head is None else head)
+            out = out.float()
+            return kernels.softcap_(out, cap) if cap else out
         x = self._norm(h, self.final_norm)
         out = self._mm(x, self.head if head is None else head).float()
-        cap = self.spec.final_logit_softcap
         if cap:
             out = torch.tanh(out / cap) * cap
         return out

@@ -1,9 +1,32 @@
+import os
+import platform
+import shutil
+
 import pytest
 import torch
 
 from selfspec import kernels
 
-needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"kernels unavailable: {kernels.load_error()}")
+
+def _buildable() -> bool:
+    """The kernels must build here: x86-64 with AVX-512 F/BW/VL and FMA, a compiler, not disabled."""
+    return (os.environ.get("SELFSPEC_NO_KERNELS", "") in ("", "0") and platform.machine() in ("x86_64", "AMD64")
+            and {"avx512f", "avx512bw", "avx512vl", "fma"} <= kernels._cpu_flags()
+            and shutil.which(os.environ.get("CC", "gcc")) is not None)
+
+
+# Skipped only where the CPU cannot run them; where it can, a failed build fails the tests
+# (test_kernels_build_where_the_cpu_can) instead of silently testing nothing.
+needs_kernels = pytest.mark.skipif(not _buildable(), reason="this CPU/toolchain cannot run the kernels")
+
+
+def test_kernels_build_where_the_cpu_can():
+    """CI must not quietly run the torch fallback on a machine our kernels were written for."""
+    if not _buildable():
+        pytest.skip("no x86-64 AVX-512 CPU with a C compiler here")
+    assert kernels.available(), f"the kernels did not build on a capable CPU: {kernels.load_error()}"
+    if "avx512_bf16" in kernels._cpu_flags():
+        assert kernels.has_pairs(), "the CPU has AVX512-BF16 but the pair (VDPBF16PS) path was not compiled in"
 
 SHAPES = [(640, 1536), (1024, 640), (64, 200), (37, 1), (130, 67)]  # incl. N % 64 != 0 tails
 
@@ -33,12 +56,59 @@ def test_row_invariance_bitwise(k, n, xdt, wdt):
 
 
 @needs_kernels
-def test_matches_scalar_fma_chain_bitwise():
-    x, w = _operands(640, 300, torch.float32, torch.bfloat16, m=5)
-    assert torch.equal(kernels.matmul(x, w), kernels._reference_fp32(x, w))
+@pytest.mark.parametrize("wdt", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 17])  # register-blocked path up to 6 rows, scratch path above
+def test_matches_scalar_fma_chain_bitwise(wdt, m):
+    x, w = _operands(640, 300, torch.float32, wdt, m=m)
+    ref = kernels._reference_fp32(x, w)
+    assert torch.equal(kernels.matmul(x, w), ref)
+    assert torch.equal(kernels.matmul(x, kernels.pack(w, pairs=False)), ref)
     # bf16 output is the RNE rounding of that same fp32 accumulator
     xb = x.bfloat16()
     assert torch.equal(kernels.matmul(xb, w), kernels._reference_fp32(xb, w).bfloat16())
+
+
+@needs_kernels
+@pytest.mark.parametrize("wdt", [torch.bfloat16, torch.float32])
+def test_bits_do_not_depend_on_alignment_or_threads(wdt):
+    """Operands at odd addresses (views into a larger buffer), 1-3 threads, repeated: one result."""
+    x, w = _operands(200, 130, torch.float32, wdt, m=9)
+    ref = kernels._reference_fp32(x, w)
+    for offset in (0, 1, 3):
+        buf = torch.zeros(x.numel() + offset)
+        xo = buf[offset:].view(x.shape)
+        xo.copy_(x)
+        wbuf = torch.zeros(w.numel() + offset, dtype=wdt)
+        wo = wbuf[offset:].view(w.shape)
+        wo.copy_(w)
+        for threads in (1, 2, 3):
+            assert torch.equal(kernels.matmul(xo, wo, num_threads=threads), ref), (offset, threads)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_norm_rows_is_row_invariant_and_correct(dtype):
+    g = torch.Generator().manual_seed(1)
+    h = (torch.randn(9, 200, generator=g) * 3).to(dtype)
+    w = torch.randn(200, generator=g)
+    full = kernels.norm_rows(h, w, 1e-6)
+    assert full.dtype == dtype and full.shape == h.shape
+    for t in range(9):
+        assert torch.equal(kernels.norm_rows(h[t : t + 1], w, 1e-6), full[t : t + 1])
+    ref = torch.nn.functional.rms_norm(h.float(), (200,), w, 1e-6)
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    assert ((full.float() - ref).abs() / ref.abs().clamp_min(1.0)).max().item() < tol
+
+
+@needs_kernels
+def test_softcap_is_position_invariant_and_close_to_tanh():
+    g = torch.Generator().manual_seed(2)
+    y = torch.randn(3, 37, generator=g) * 40  # 37: rows straddle the 16-lane vectors
+    ref = torch.tanh(y.double() / 30.0) * 30.0
+    full = kernels.softcap_(y.clone(), 30.0)
+    assert (full.double() - ref).abs().max().item() < 1e-5 * 30
+    for t in range(3):  # a row alone (another lane alignment) gives the same bits
+        assert torch.equal(kernels.softcap_(y[t].clone(), 30.0), full[t])
 
 
 @needs_kernels

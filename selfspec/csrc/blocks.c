@@ -1,12 +1,12 @@
-/* Fused decoder sub-layers for the CPU bf16 path: one call per attention or MLP sub-layer
- * instead of ~30 small torch ops each (at decode sizes the ops' dispatch cost, not their
- * arithmetic, was half of a step).
+/* Fused decoder sub-layers for the CPU path (bf16 or fp32): one call per attention or MLP
+ * sub-layer instead of ~30 small torch ops each (at decode sizes the ops' dispatch cost, not
+ * their arithmetic, was half of a step).
  *
  *   attention: h += [post_norm]( Wo . attend( rope(qk_norm(Wqkv . norm(h))) , cache ) )
  *   mlp      : h += [post_norm]( Wdown . (act(gate) * up) ),  gate|up = Wgu . norm(h)
  *
- * h (the residual stream), the KV cache and the weights are bf16; everything in between is
- * fp32. Row invariance (a verify pass over T rows == T single-row calls, bit for bit) holds by
+ * h (the residual stream), the KV cache and the weights share one storage type, bf16 or fp32
+ * (ss_dims.f32); everything in between is fp32. Row invariance (a verify pass over T rows == T single-row calls, bit for bit) holds by
  * construction: each row is computed independently with fixed-order reductions, the matmuls
  * use selfspec_gemm (one fixed chain per output, see gemm.c), and a row's attention reads its
  * keys/values back from the bf16 cache (also the ones this call just wrote), loops over keys
@@ -36,10 +36,11 @@ typedef struct {
     int act;       /* 0 silu, 1 gelu (erf), 2 gelu (tanh) */
     int qk_norm;   /* per-head RMSNorm on q and k before rotary */
     int sandwich;  /* post-attention / post-MLP norms (Gemma) */
+    int f32;       /* storage type of h, the KV cache and the matrices: 1 fp32, 0 bf16 */
 } ss_dims;
 
 typedef struct {
-    const void *wqkv, *wo, *w_gate_up, *w_down;             /* bf16 [in, out], plain or packed */
+    const void *wqkv, *wo, *w_gate_up, *w_down;             /* [in, out] (ss_dims.f32's type), plain or packed */
     int wqkv_packed, wo_packed, gu_packed, down_packed;
     const float *bqkv, *bo, *b_gate_up, *b_down;             /* fp32 or NULL */
     const float *attn_norm, *q_norm, *k_norm, *post_attn_norm, *mlp_norm, *post_mlp_norm;  /* fp32 */
@@ -131,21 +132,36 @@ static void gated_activation(int act, const float *gate, const float *up, float 
     }
 }
 
+/* element i of a bf16 (f32 == 0) or fp32 array, as fp32 (exact) */
+static inline float get_f(const void *a, long i, int f32) {
+    return f32 ? ((const float *)a)[i] : bf2f(((const uint16_t *)a)[i]);
+}
+/* store v into element i (bf16: round to nearest even) */
+static inline void put_f(void *a, long i, float v, int f32) {
+    if (f32) ((float *)a)[i] = v; else ((uint16_t *)a)[i] = f2bf(v);
+}
+/* 16 consecutive elements from element i (masked lanes read as 0), as fp32 (exact) */
+static inline __attribute__((always_inline)) __m512 load16(const void *a, long i, __mmask16 mk, int f32) {
+    if (f32) return _mm512_maskz_loadu_ps(mk, (const float *)a + i);
+    __m256i hv = _mm256_maskz_loadu_epi16(mk, (const uint16_t *)a + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hv), 16));
+}
+
 /* x[t] = norm(float(h[t])) for every row */
-static void norm_rows(const uint16_t *h, float *x, long T, long H, const float *w, float eps) {
+static void norm_rows(const void *h, int f32, float *x, long T, long H, const float *w, float eps) {
     for (long t = 0; t < T; t++) {
-        for (long i = 0; i < H; i++) x[t * H + i] = bf2f(h[t * H + i]);
+        for (long i = 0; i < H; i++) x[t * H + i] = get_f(h, t * H + i, f32);
         rmsnorm(x + t * H, w, x + t * H, H, eps);
     }
 }
 
-/* h[t] = bf16(float(h[t]) + post_norm(o[t] + bias)); bias and post_norm may be NULL */
-static void add_residual(uint16_t *h, float *o, long T, long H, const float *bias, const float *post_norm, float eps) {
+/* h[t] = store(float(h[t]) + post_norm(o[t] + bias)); bias and post_norm may be NULL */
+static void add_residual(void *h, int f32, float *o, long T, long H, const float *bias, const float *post_norm, float eps) {
     for (long t = 0; t < T; t++) {
         float *r = o + t * H;
         if (bias) for (long i = 0; i < H; i++) r[i] += bias[i];
         if (post_norm) rmsnorm(r, post_norm, r, H, eps);
-        for (long i = 0; i < H; i++) h[t * H + i] = f2bf(bf2f(h[t * H + i]) + r[i]);
+        for (long i = 0; i < H; i++) put_f(h, t * H + i, get_f(h, t * H + i, f32) + r[i], f32);
     }
 }
 
@@ -158,9 +174,9 @@ static void add_residual(uint16_t *h, float *o, long T, long H, const float *bia
  *   3. per (row, 64-wide slice of d): out = sum_j e_j v_j in key order, / Z.
  * Scores a row computes for keys outside its range are never read. */
 #define ROWS_PER_PASS 8
-static int attend_rows(const float *qkv, long W, float *att, long Q, long t0, long t1, long pos, long window,
-                       const uint16_t *kt, const uint16_t *vc, long cap, long D, long nh, long nkv,
-                       float scale, int nt) {
+static inline __attribute__((always_inline)) int attend_rows_impl(
+    const float *qkv, long W, float *att, long Q, long t0, long t1, long pos, long window,
+    const void *kt, const void *vc, long cap, long D, long nh, long nkv, float scale, int nt, const int f32) {
     const long g = nh / nkv, nt_rows = t1 - t0, R = nt_rows * nh;
     long p_hi = pos + t1 - 1;
     long lo0 = first_key(pos + t0, window);  /* the smallest first key of these rows */
@@ -180,7 +196,7 @@ static int attend_rows(const float *qkv, long W, float *att, long Q, long t0, lo
         for (long item = 0; item < nkv * nblk; item++) {
             long kvh = item / nblk, b = item % nblk, j0 = lo0 + 16 * b;
             __mmask16 mk = lanes(p_hi + 1 - j0);
-            const uint16_t *kp = kt + kvh * D * cap + j0;
+            const long kp = kvh * D * cap + j0;  /* element offset of this block's first key, d = 0 */
             long nrows = nt_rows * g;  /* rows of this kv head: (t, a) with a in kvh*g .. kvh*g+g-1 */
             for (long r0 = 0; r0 < nrows; r0 += ROWS_PER_PASS) {
                 int rc = nrows - r0 < ROWS_PER_PASS ? (int)(nrows - r0) : ROWS_PER_PASS;
@@ -194,8 +210,7 @@ static int attend_rows(const float *qkv, long W, float *att, long Q, long t0, lo
                 __m512 acc[ROWS_PER_PASS];
                 for (int r = 0; r < rc; r++) acc[r] = _mm512_setzero_ps();
                 for (long e = 0; e < D; e++) {
-                    __m256i hv = _mm256_maskz_loadu_epi16(mk, kp + e * cap);
-                    __m512 kv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hv), 16));
+                    __m512 kv = load16(kt, kp + e * cap, mk, f32);
                     for (int r = 0; r < rc; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(qp[r][e]), kv, acc[r]);
                 }
                 for (int r = 0; r < rc; r++)
@@ -228,12 +243,11 @@ static int attend_rows(const float *qkv, long W, float *att, long Q, long t0, lo
             __mmask16 mk[4];
             for (int c = 0; c < 4; c++) mk[c] = lanes(dl - 16 * c);
             __m512 acc4[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-            const uint16_t *vb = vc + kvh * cap * D + lo * D + d0;
+            const long vb = kvh * cap * D + lo * D + d0;  /* element offset of key lo's slice */
             for (long j = 0; j < n; j++) {
                 __m512 e = _mm512_set1_ps(s[j]);
                 for (int c = 0; c < 4; c++) {
-                    __m256i hv = _mm256_maskz_loadu_epi16(mk[c], vb + j * D + 16 * c);
-                    __m512 vv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hv), 16));
+                    __m512 vv = load16(vc, vb + j * D + 16 * c, mk[c], f32);
                     acc4[c] = _mm512_fmadd_ps(e, vv, acc4[c]);
                 }
             }
@@ -246,13 +260,25 @@ static int attend_rows(const float *qkv, long W, float *att, long Q, long t0, lo
     return 0;
 }
 
-/* h [T, hidden] bf16 at positions pos..pos+T-1 (updated in place). kt: this layer's keys
- * [kv_heads, head_dim, cap], vc: values [kv_heads, cap, head_dim] (bf16; rows pos..pos+T-1
- * are written). cos/sin: fp32 [T, head_dim] rows for these positions. window <= 0: full causal. */
-int selfspec_attn_block(const ss_dims *d, const ss_layer *w, uint16_t *h, long T, long pos,
-                        uint16_t *kt, uint16_t *vc, long cap, long window,
+/* one compiled copy per cache type, so the type test leaves the inner loops */
+static int attend_rows_bf16(const float *qkv, long W, float *att, long Q, long t0, long t1, long pos, long window,
+                            const void *kt, const void *vc, long cap, long D, long nh, long nkv, float scale, int nt) {
+    return attend_rows_impl(qkv, W, att, Q, t0, t1, pos, window, kt, vc, cap, D, nh, nkv, scale, nt, 0);
+}
+static int attend_rows_f32(const float *qkv, long W, float *att, long Q, long t0, long t1, long pos, long window,
+                           const void *kt, const void *vc, long cap, long D, long nh, long nkv, float scale, int nt) {
+    return attend_rows_impl(qkv, W, att, Q, t0, t1, pos, window, kt, vc, cap, D, nh, nkv, scale, nt, 1);
+}
+
+/* h [T, hidden] at positions pos..pos+T-1 (updated in place). kt: this layer's keys
+ * [kv_heads, head_dim, cap], vc: values [kv_heads, cap, head_dim] (rows pos..pos+T-1 are
+ * written). h, kt, vc: bf16 or fp32 (d->f32). cos/sin: fp32 [T, head_dim] rows for these
+ * positions. window <= 0: full causal. */
+int selfspec_attn_block(const ss_dims *d, const ss_layer *w, void *h, long T, long pos,
+                        void *kt, void *vc, long cap, long window,
                         const float *cos, const float *sin, int nthreads) {
     const long H = d->hidden, nh = d->heads, nkv = d->kv_heads, D = d->head_dim;
+    const int f32 = d->f32, wbf = !f32;
     const long Q = nh * D, KV = nkv * D, W = Q + 2 * KV;
     if (pos + T > cap) return 3;
     float *x = malloc(sizeof(float) * T * H);
@@ -261,8 +287,8 @@ int selfspec_attn_block(const ss_dims *d, const ss_layer *w, uint16_t *h, long T
     float *o = malloc(sizeof(float) * T * H);
     int rc = 0;
     if (!x || !qkv || !att || !o) { rc = 1; goto done; }
-    norm_rows(h, x, T, H, w->attn_norm, d->eps);
-    if ((rc = selfspec_gemm(T, H, W, x, 0, w->wqkv, 1, w->wqkv_packed, qkv, 0, nthreads))) goto done;
+    norm_rows(h, f32, x, T, H, w->attn_norm, d->eps);
+    if ((rc = selfspec_gemm(T, H, W, x, 0, w->wqkv, wbf, w->wqkv_packed, qkv, 0, nthreads))) goto done;
     for (long t = 0; t < T; t++) {
         float *r = qkv + t * W;
         if (w->bqkv) for (long i = 0; i < W; i++) r[i] += w->bqkv[i];
@@ -277,8 +303,8 @@ int selfspec_attn_block(const ss_dims *d, const ss_layer *w, uint16_t *h, long T
             rope(k, cs, sn, D);
             long p = pos + t;
             for (long e = 0; e < D; e++) {
-                kt[(a * D + e) * cap + p] = f2bf(k[e]);
-                vc[(a * cap + p) * D + e] = f2bf(v[e]);
+                put_f(kt, (a * D + e) * cap + p, k[e], f32);
+                put_f(vc, (a * cap + p) * D + e, v[e], f32);
             }
         }
     }
@@ -288,35 +314,63 @@ int selfspec_attn_block(const ss_dims *d, const ss_layer *w, uint16_t *h, long T
     for (long t0 = 0; t0 < T && !rc; t0 += 64) {
         long t1 = T - t0 < 64 ? T : t0 + 64;
         double work = (double)(t1 - t0) * (double)nh * (double)(pos + t1) * (double)D;
-        rc = attend_rows(qkv, W, att, Q, t0, t1, pos, window, kt, vc, cap, D, nh, nkv, d->attn_scale,
-                         work < 2.5e5 ? 1 : nt);
+        rc = (f32 ? attend_rows_f32 : attend_rows_bf16)(qkv, W, att, Q, t0, t1, pos, window, kt, vc, cap, D, nh, nkv,
+                                                         d->attn_scale, work < 2.5e5 ? 1 : nt);
     }
     if (rc) goto done;
-    if ((rc = selfspec_gemm(T, Q, H, att, 0, w->wo, 1, w->wo_packed, o, 0, nthreads))) goto done;
-    add_residual(h, o, T, H, w->bo, d->sandwich ? w->post_attn_norm : NULL, d->eps);
+    if ((rc = selfspec_gemm(T, Q, H, att, 0, w->wo, wbf, w->wo_packed, o, 0, nthreads))) goto done;
+    add_residual(h, f32, o, T, H, w->bo, d->sandwich ? w->post_attn_norm : NULL, d->eps);
 done:
     free(x); free(qkv); free(att); free(o);
     return rc;
 }
 
-int selfspec_mlp_block(const ss_dims *d, const ss_layer *w, uint16_t *h, long T, int nthreads) {
+int selfspec_mlp_block(const ss_dims *d, const ss_layer *w, void *h, long T, int nthreads) {
     const long H = d->hidden, I = d->inter;
+    const int f32 = d->f32, wbf = !f32;
     float *x = malloc(sizeof(float) * T * H);
     float *gu = malloc(sizeof(float) * T * 2 * I);
     float *a = malloc(sizeof(float) * T * I);
     float *o = malloc(sizeof(float) * T * H);
     int rc = 0;
     if (!x || !gu || !a || !o) { rc = 1; goto done; }
-    norm_rows(h, x, T, H, w->mlp_norm, d->eps);
-    if ((rc = selfspec_gemm(T, H, 2 * I, x, 0, w->w_gate_up, 1, w->gu_packed, gu, 0, nthreads))) goto done;
+    norm_rows(h, f32, x, T, H, w->mlp_norm, d->eps);
+    if ((rc = selfspec_gemm(T, H, 2 * I, x, 0, w->w_gate_up, wbf, w->gu_packed, gu, 0, nthreads))) goto done;
     for (long t = 0; t < T; t++) {
         float *r = gu + t * 2 * I;
         if (w->b_gate_up) for (long i = 0; i < 2 * I; i++) r[i] += w->b_gate_up[i];
         gated_activation(d->act, r, r + I, a + t * I, I);
     }
-    if ((rc = selfspec_gemm(T, I, H, a, 0, w->w_down, 1, w->down_packed, o, 0, nthreads))) goto done;
-    add_residual(h, o, T, H, w->b_down, d->sandwich ? w->post_mlp_norm : NULL, d->eps);
+    if ((rc = selfspec_gemm(T, I, H, a, 0, w->w_down, wbf, w->down_packed, o, 0, nthreads))) goto done;
+    add_residual(h, f32, o, T, H, w->b_down, d->sandwich ? w->post_mlp_norm : NULL, d->eps);
 done:
     free(x); free(gu); free(a); free(o);
     return rc;
+}
+
+/* The final norm before the LM head: out[t] = store(norm(float(h[t]))), h and out bf16 or
+ * fp32 (f32), one fixed reduction per row like the blocks' own norms. */
+int selfspec_norm_rows(const void *h, int f32, long T, long H, const float *w, float eps, void *out) {
+    float *x = malloc(sizeof(float) * H);
+    if (!x) return 1;
+    for (long t = 0; t < T; t++) {
+        norm_rows((const char *)h + t * H * (f32 ? 4 : 2), f32, x, 1, H, w, eps);
+        for (long i = 0; i < H; i++) put_f(out, t * H + i, x[i], f32);
+    }
+    free(x);
+    return 0;
+}
+
+/* Logit soft-capping in place: y = cap * tanh(y / cap), tanh(u) = 1 - 2 / (e^(2u) + 1) with
+ * exp16 on every element (a masked tail runs the very same lane arithmetic), so an element's
+ * result never depends on where it sits in the array. */
+int selfspec_softcap(float *y, long n, float cap) {
+    const __m512 inv = _mm512_set1_ps(2.0f / cap), one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f), c = _mm512_set1_ps(cap);
+    for (long i = 0; i < n; i += 16) {
+        __mmask16 mk = lanes(n - i);
+        __m512 e = exp16(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, y + i), inv));
+        __m512 t = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(e, one)));
+        _mm512_mask_storeu_ps(y + i, mk, _mm512_mul_ps(t, c));
+    }
+    return 0;
 }

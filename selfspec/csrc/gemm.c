@@ -18,8 +18,8 @@
  *            wp + t*K*64 with row stride 64, so each tile is one contiguous stream.
  *
  * Paths: M <= MR (6): rows kept in registers, weights widened on the fly (direct);
- * M > MR with bf16 weights: K chunks widened once into an L1 fp32 scratch and shared by
- * all row blocks (tile_bf16_many). Both give the same bits (tested); threads split tiles.
+ * M > MR: K chunks copied (bf16: widened) once into an L1 fp32 scratch and shared by all
+ * row blocks (tile_many). Both give the same bits (tested); threads split tiles.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -129,8 +129,8 @@ static inline __attribute__((always_inline)) void tile_f32(
         for (int j = 0; j < 4; j++) store_out(y, y_bf16, (m0 + r) * ldy + n0 + 16 * j, acc[r][j], mk[j]);
 }
 
-/* Many-row path (M > MR, bf16 weights): per tile, K is walked in chunks of KC rows; each
- * chunk of the bf16 tile is widened once into an fp32 scratch (KC x 64, L1 resident) and
+/* Many-row path (M > MR): per tile, K is walked in chunks of KC rows; each chunk of the
+ * tile is copied once into an fp32 scratch (KC x 64, L1 resident; bf16 widened exactly) and
  * then every row block runs its FMAs from that scratch. Accumulators are parked in memory
  * (exact fp32 stores/loads) between chunks, so each element is still the single chain
  * acc = fma(x[k], w[k], acc) for k = 0..K-1 in order: identical bits to the direct path. */
@@ -154,17 +154,24 @@ static inline __attribute__((always_inline)) void chunk_rows(
         for (int j = 0; j < 4; j++) _mm512_storeu_ps(accbuf + r * NT + 16 * j, acc[r][j]);
 }
 
-static void tile_bf16_many(long M, long K, const float *xf, const uint16_t *wt, long ldw,
-                           void *y, int y_bf16, long ldy, long n0, const __mmask16 mk[4], float *accbuf) {
+static void tile_many(long M, long K, const float *xf, const void *wt, int w_bf16, long ldw,
+                      void *y, int y_bf16, long ldy, long n0, const __mmask16 mk[4], float *accbuf) {
     float ws[KC * NT] __attribute__((aligned(64)));
     for (long k0 = 0; k0 < K; k0 += KC) {
         long kn = K - k0 < KC ? K - k0 : KC;
-        for (long k = 0; k < kn; k++) {
-            const uint16_t *wk = wt + (k0 + k) * ldw;
-            _mm_prefetch((const char *)(wk + PF * ldw), _MM_HINT_T0);
-            _mm_prefetch((const char *)(wk + PF * ldw) + 64, _MM_HINT_T0);
-            for (int j = 0; j < 4; j++) _mm512_store_ps(ws + k * NT + 16 * j, load_w_bf16(wk + 16 * j, mk[j]));
-        }
+        if (w_bf16)
+            for (long k = 0; k < kn; k++) {
+                const uint16_t *wk = (const uint16_t *)wt + (k0 + k) * ldw;
+                _mm_prefetch((const char *)(wk + PF * ldw), _MM_HINT_T0);
+                _mm_prefetch((const char *)(wk + PF * ldw) + 64, _MM_HINT_T0);
+                for (int j = 0; j < 4; j++) _mm512_store_ps(ws + k * NT + 16 * j, load_w_bf16(wk + 16 * j, mk[j]));
+            }
+        else
+            for (long k = 0; k < kn; k++) {
+                const float *wk = (const float *)wt + (k0 + k) * ldw;
+                for (int c = 0; c < 4; c++) _mm_prefetch((const char *)(wk + PF * ldw) + 64 * c, _MM_HINT_T0);
+                for (int j = 0; j < 4; j++) _mm512_store_ps(ws + k * NT + 16 * j, _mm512_maskz_loadu_ps(mk[j], wk + 16 * j));
+            }
         for (long m0 = 0; m0 < M; m0 += MR) {
             const float *xr = xf + m0 * K;
             float *ab = accbuf + m0 * NT;
@@ -420,9 +427,13 @@ int selfspec_gemm(long M, long K, long N, const void *x, int x_bf16, const void 
         tile_masks(n0, N, mk);
         long ldw = packed ? NT : N;
         long woff = packed ? t * K * NT : n0;
-        if (w_bf16 && M > MR && !direct_only) {
+        if (M > MR && !direct_only) {
             if (!accbuf) accbuf = (float *)aligned_alloc(64, sizeof(float) * NT * ((M + 15) / 16 * 16));
-            if (accbuf) { tile_bf16_many(M, K, xf, (const uint16_t *)w + woff, ldw, y, y_bf16, N, n0, mk, accbuf); continue; }
+            if (accbuf) {
+                const void *wt = w_bf16 ? (const void *)((const uint16_t *)w + woff) : (const void *)((const float *)w + woff);
+                tile_many(M, K, xf, wt, w_bf16, ldw, y, y_bf16, N, n0, mk, accbuf);
+                continue;
+            }
         }
         for (long m0 = 0; m0 < M; m0 += MR) {
             const float *xr = xf + m0 * K;
@@ -455,13 +466,14 @@ int selfspec_gemm(long M, long K, long N, const void *x, int x_bf16, const void 
     return 0;
 }
 
-/* Scalar reference of the same chain (fmaf, fp32 x, bf16 plain w, fp32 y): the vector
- * kernel must match it bit for bit. Used by the tests only. */
-int selfspec_gemm_ref(long M, long K, long N, const float *xf, const uint16_t *w, float *y) {
+/* Scalar reference of the same chain (fmaf, fp32 x, plain w bf16 or fp32, fp32 y): the
+ * vector kernel must match it bit for bit. Used by the tests only. */
+int selfspec_gemm_ref(long M, long K, long N, const float *xf, const void *w, int w_bf16, float *y) {
     for (long m = 0; m < M; m++)
         for (long n = 0; n < N; n++) {
             float acc = 0.0f;
-            for (long k = 0; k < K; k++) acc = fmaf(xf[m * K + k], bf16_to_f32(w[k * N + n]), acc);
+            for (long k = 0; k < K; k++)
+                acc = fmaf(xf[m * K + k], w_bf16 ? bf16_to_f32(((const uint16_t *)w)[k * N + n]) : ((const float *)w)[k * N + n], acc);
             y[m * N + n] = acc;
         }
     return 0;

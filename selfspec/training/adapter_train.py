@@ -91,8 +91,8 @@ class AdapterTask:
         a = cfg.adapter
         self.E, self.T, self.tau = a.exit_layer, corpus.train.seq_len, a.distill_temperature
         self.vocab = None if a.draft_vocab is None else m.draft_vocabulary(a.draft_vocab).to(rt.device)  # sorted ids
-        # [H, N] columns of the frozen LM head (fp32 runtime: a plain tensor, never trained)
-        self.head = rt.head if self.vocab is None else rt.head_columns(self.vocab).contiguous()
+        # [H, N] columns of the frozen LM head (a plain fp32 tensor, never trained)
+        self.head = rt.head_weight() if self.vocab is None else rt.head_columns(self.vocab).contiguous()
         self.k = min(a.teacher_top_k, self.head.shape[1])
         torch.manual_seed(cfg.loop.seed)
         meta = AdapterMeta(exit_layer=self.E, hidden_size=m.spec.hidden_size, inner_size=a.adapter_size,
