@@ -6,7 +6,10 @@ names as keyword arguments. Invalid values raise SelfSpecError with a one-line m
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+import functools
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields, replace
 
 from selfspec.errors import SelfSpecError
 
@@ -15,15 +18,128 @@ SELF_DRAFTING = ("early-exit", "layer-skip", "exit-adapter")
 MAX_SPECULATIONS = 16  # verify passes stay within the row counts where the CPU kernels are row-invariant
 
 
-def _parse_int_set(value) -> tuple[int, ...]:
-    if value is None or value == "":
-        return ()
-    if isinstance(value, str):
+class ConfigError(SelfSpecError):
+    """A bad value for one configuration field (`field` names it, e.g. for an HTTP error's param)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+class ConfigTypeError(ConfigError):
+    """A value of the wrong type for its field (e.g. a string that is not a number)."""
+
+
+# ---- typed coercion: the one place externally supplied values get their field's type -------
+# CLI flags, HTTP JSON, Ray Serve builder args (all strings) and profiles all construct the
+# dataclasses below, and every __post_init__ starts with coerce_fields(self).
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+@functools.cache
+def _field_types(cls) -> dict[str, object]:
+    return typing.get_type_hints(cls)
+
+
+def _optional(tp) -> tuple[object, bool]:
+    """X | None -> (X, True); X -> (X, False)."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], len(args) < len(typing.get_args(tp))
+    return tp, False
+
+
+def coerce(name: str, tp, value, text: bool = True):
+    """value as type tp (a field annotation); ConfigTypeError names the field. text=True: the
+    value may be text to parse ("4", "false", "3,5"; CLI, Ray args); text=False: it must already
+    have the type (JSON), except that an integer is a number."""
+    if not text and isinstance(value, str) and _optional(tp)[0] is not str and typing.get_origin(_optional(tp)[0]) is not tuple:
+        raise ConfigTypeError(f"{name} must be {_kind(tp)}, got {value!r}", name)
+    tp, optional = _optional(tp)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigTypeError(f"{name} must be set (got null)", name)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+            return value.strip().lower() in _TRUE
+        raise ConfigTypeError(f"{name} must be true or false, got {value!r}", name)
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                pass
+        raise ConfigTypeError(f"{name} must be an integer, got {value!r}", name)
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value.strip())
+            except ValueError:
+                pass
+        raise ConfigTypeError(f"{name} must be a number, got {value!r}", name)
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigTypeError(f"{name} must be a string, got {value!r}", name)
+    if typing.get_origin(tp) is tuple:
+        item = typing.get_args(tp)[0]
+        if isinstance(value, str) and text:
+            value = [v for v in value.replace(" ", "").split(",") if v] if item is int else [value]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigTypeError(f"{name} must be a list, got {value!r}", name)
         try:
-            return tuple(sorted({int(v) for v in value.replace(" ", "").split(",") if v}))
-        except ValueError as e:
-            raise SelfSpecError(f"expected a comma-separated list of layer indices, got {value!r}") from e
-    return tuple(sorted({int(v) for v in value}))
+            return tuple(coerce(name, item, v, text) for v in value)
+        except ConfigError:
+            raise ConfigTypeError(f"{name} must be a list of {'integers' if item is int else 'strings'}, got {value!r}", name) from None
+    if isinstance(tp, type) and hasattr(tp, "from_dict") and isinstance(value, dict):
+        return tp.from_dict(value)
+    if isinstance(tp, type) and not isinstance(value, tp):
+        raise ConfigTypeError(f"{name} has the wrong type: {value!r}", name)
+    return value
+
+
+def _kind(tp) -> str:
+    tp = _optional(tp)[0]
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, "a list")
+
+
+def typed(cls, d: dict, text: bool) -> dict:
+    """d's values with the types of cls's fields (see coerce); unknown keys are left for from_dict."""
+    hints = _field_types(cls)
+    return {k: coerce(k, hints[k], v, text) if k in hints else v for k, v in d.items()}
+
+
+def coerce_fields(obj) -> None:
+    """Give every field of the dataclass instance `obj` its annotated type (see coerce)."""
+    hints = _field_types(type(obj))
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        new = coerce(f.name, hints[f.name], value)
+        if new is not value:
+            object.__setattr__(obj, f.name, new)
+
+
+def from_dict(cls, d: dict, what: str = "option"):
+    """cls(**d), with unknown keys reported as one line."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"expected a mapping of {what}s, got {d!r}")
+    unknown = set(d) - {f.name for f in fields(cls)}
+    if unknown:
+        raise ConfigError(f"unknown {what}(s): {', '.join(sorted(unknown))}", sorted(unknown)[0])
+    return cls(**d)
+
+
+def _sorted_set(values: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(sorted(set(values)))
 
 
 @dataclass(frozen=True)
@@ -36,9 +152,10 @@ class SamplingConfig:
     seed: int | None = None
 
     def __post_init__(self):
+        coerce_fields(self)
         if not (self.temperature >= 0.0) or self.temperature != self.temperature:
             raise SelfSpecError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+        if self.top_k is not None and self.top_k < 1:
             raise SelfSpecError(f"top_k must be a positive integer, got {self.top_k}")
         if self.top_p is not None and not (0.0 < self.top_p <= 1.0):
             raise SelfSpecError(f"top_p must be in (0, 1], got {self.top_p}")
@@ -48,9 +165,24 @@ class SamplingConfig:
         return self.temperature == 0.0
 
 
+# The fields each strategy reads (besides `strategy`). Setting any other field to a value
+# other than its default is an error: an option that would be silently ignored.
+_SELF = ("num_speculations", "draft_threshold", "adaptive", "draft_vocab", "lookup_first")
+STRATEGY_FIELDS: dict[str, frozenset[str]] = {
+    "autoregressive": frozenset(),
+    "early-exit": frozenset(("exit_layer", *_SELF)),
+    "layer-skip": frozenset(("skip_attn", "skip_mlp", *_SELF)),
+    "exit-adapter": frozenset(("adapter", "exit_layer", *_SELF)),
+    "draft-model": frozenset(("draft_model", "num_speculations", "draft_threshold", "adaptive", "draft_vocab")),
+    "prompt-lookup": frozenset(("num_speculations", "max_ngram")),
+    # auto: the draft vocabulary and lookup n-gram of the draft calibration picks, or a base to gate
+    "auto": frozenset(("draft_vocab", "max_ngram", "base")),
+}
+
+
 @dataclass(frozen=True)
 class DraftConfig:
-    """How to draft. Fields that a strategy does not use are ignored by it."""
+    """How to draft. A field the strategy does not use (STRATEGY_FIELDS) must keep its default."""
 
     strategy: str = "auto"  # drafts only while it pays: the model's searched profile, else calibration
     exit_layer: int | None = None  # early-exit: draft with layers 0..exit_layer-1
@@ -67,11 +199,20 @@ class DraftConfig:
     base: DraftConfig | None = None  # auto: the draft it gates (None: the model's profile, else calibration)
 
     def __post_init__(self):
-        object.__setattr__(self, "skip_attn", _parse_int_set(self.skip_attn))
-        object.__setattr__(self, "skip_mlp", _parse_int_set(self.skip_mlp))
+        coerce_fields(self)
+        object.__setattr__(self, "skip_attn", _sorted_set(self.skip_attn))
+        object.__setattr__(self, "skip_mlp", _sorted_set(self.skip_mlp))
         if self.strategy not in STRATEGIES:
-            raise SelfSpecError(f"unknown strategy {self.strategy!r}; choose from {', '.join(STRATEGIES)}")
-        if not isinstance(self.num_speculations, int) or not 1 <= self.num_speculations <= MAX_SPECULATIONS:
+            raise ConfigError(f"unknown strategy {self.strategy!r}; choose from {', '.join(STRATEGIES)}", "strategy")
+        if self.lookup_first and self.strategy not in SELF_DRAFTING:
+            raise ConfigError(f"lookup_first combines prompt lookup with {', '.join(SELF_DRAFTING)}, not {self.strategy}", "lookup_first")
+        used = self.used_fields()
+        unused = [f.name for f in fields(self) if f.name != "strategy" and f.name not in used
+                  and getattr(self, f.name) != (f.default if f.default is not MISSING else f.default_factory())]
+        if unused:
+            its = ", ".join(sorted(used)) or "none"
+            raise ConfigError(f"{unused[0]} is not used by the {self.strategy} strategy (its options: {its})", unused[0])
+        if not 1 <= self.num_speculations <= MAX_SPECULATIONS:
             raise SelfSpecError(f"num_speculations must be in 1..{MAX_SPECULATIONS}, got {self.num_speculations}")
         if self.draft_threshold is not None and not 0.0 <= self.draft_threshold < 1.0:
             raise SelfSpecError(f"draft_threshold must be in [0, 1), got {self.draft_threshold}")
@@ -87,17 +228,18 @@ class DraftConfig:
             raise SelfSpecError("exit-adapter needs --adapter FILE (train one with: selfspec train --recipe exit-adapter)")
         if self.strategy == "layer-skip" and not (self.skip_attn or self.skip_mlp):
             raise SelfSpecError("layer-skip needs sub-layers to skip (--skip-attn / --skip-mlp or a profile)")
-        if self.lookup_first and self.strategy not in SELF_DRAFTING:
-            raise SelfSpecError(f"lookup_first combines prompt lookup with {', '.join(SELF_DRAFTING)}, not {self.strategy}")
         if self.base is not None:
-            if isinstance(self.base, dict):
-                object.__setattr__(self, "base", DraftConfig.from_dict(self.base))
-            if self.strategy != "auto":
-                raise SelfSpecError("only the auto strategy takes a base draft configuration")
             if self.base.strategy in ("auto", "autoregressive"):
                 raise SelfSpecError(f"auto cannot gate the {self.base.strategy} strategy")
         if self.strategy == "draft-model" and not self.draft_model:
             raise SelfSpecError("draft-model needs --draft-model PATH")
+
+    def used_fields(self) -> frozenset[str]:
+        """The fields this configuration's strategy reads (max_ngram: self-drafters with lookup_first)."""
+        if self.strategy == "auto" and self.base is not None:
+            return frozenset(("base",))  # the base carries every draft option
+        extra = {"max_ngram"} if self.lookup_first and self.strategy in SELF_DRAFTING else set()
+        return STRATEGY_FIELDS[self.strategy] | extra
 
     def check_model(self, num_layers: int, vocab_size: int) -> None:
         """Checks that need the model's shape."""
@@ -126,11 +268,7 @@ class DraftConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "DraftConfig":
-        names = {f.name for f in fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise SelfSpecError(f"unknown draft option(s): {', '.join(sorted(unknown))}")
-        return cls(**d)
+        return from_dict(cls, d, "draft option")
 
     def replace(self, **changes) -> "DraftConfig":
         return replace(self, **changes)
@@ -143,8 +281,7 @@ class GenerationConfig:
     chat: bool = False
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(s for s in (self.stop or ()) if s))
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        coerce_fields(self)
+        object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
+        if self.max_new_tokens < 1:
             raise SelfSpecError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens}")

@@ -111,10 +111,13 @@ class Drafter:
 
     # -- shared helpers -------------------------------------------------------------------
 
-    def set_draft_vocab(self, vocab: torch.Tensor | None) -> None:
-        """Restrict draft logits to `vocab` (ids); verification always uses the full head."""
+    def set_draft_vocab(self, vocab: torch.Tensor | None, head=None) -> None:
+        """Restrict draft logits to `vocab` (ids); verification always uses the full head.
+        `head`: those columns of the LM head, prepared (shared between drafters; made here if None)."""
         self._vocab = vocab
-        self._vocab_head = None if vocab is None else self.rt.prepare_weight(self.rt.head_columns(vocab).contiguous())
+        if vocab is not None and head is None:
+            head = self.rt.prepare_weight(self.rt.head_columns(vocab).contiguous())
+        self._vocab_head = None if vocab is None else head
 
     def _draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.rt.logits(h, head=self._vocab_head)[0]
@@ -364,7 +367,7 @@ class DraftModelDrafter(Drafter):
             feed = [d.tokens[-1]]
         return d
 
-    def set_draft_vocab(self, vocab):
+    def set_draft_vocab(self, vocab, head=None):
         """The draft model has its own head: restrict its logits (see draft), no target slice."""
         self._vocab = vocab
 
@@ -504,10 +507,11 @@ class LookupFirstDrafter(Drafter):
     self-drafter. The wrapped drafter verifies lookup drafts too (verify_foreign: a full
     forward pass, or early exit's split one), so any per-position state it keeps stays whole."""
 
-    def __init__(self, inner: Drafter):
-        super().__init__(inner.rt, inner.cfg, tuple(inner.eos_ids))
+    def __init__(self, inner: Drafter, cfg: DraftConfig):
+        super().__init__(inner.rt, cfg, tuple(inner.eos_ids))
         self.inner = inner
-        self.lookup = PromptLookupDrafter(inner.rt, inner.cfg, tuple(inner.eos_ids))
+        lookup = DraftConfig("prompt-lookup", num_speculations=cfg.num_speculations, max_ngram=cfg.max_ngram)
+        self.lookup = PromptLookupDrafter(inner.rt, lookup, tuple(inner.eos_ids))
         self.name = f"{inner.name}+lookup"
         self._from_lookup = False
 
@@ -517,8 +521,8 @@ class LookupFirstDrafter(Drafter):
     def start(self, cache):
         self.inner.start(cache)
 
-    def set_draft_vocab(self, vocab):
-        self.inner.set_draft_vocab(vocab)
+    def set_draft_vocab(self, vocab, head=None):
+        self.inner.set_draft_vocab(vocab, head)
 
     def draft(self, step):
         d = self.lookup.draft(step) if step.k > 0 else Draft()
@@ -539,8 +543,9 @@ def make_drafter(runtime: Runtime, cfg: DraftConfig, eos_ids=(), draft_runtime: 
     cfg.check_model(runtime.num_layers, runtime.spec.vocab_size)
     if cfg.strategy == "auto":
         raise SelfSpecError("the auto strategy is built by SelfSpecModel.drafter (it needs the model's profile and costs)")
-    if cfg.lookup_first:
-        return LookupFirstDrafter(make_drafter(runtime, cfg.replace(lookup_first=False), eos_ids, draft_runtime, adapter))
+    if cfg.lookup_first:  # the inner self-drafter's own configuration has no lookup part
+        inner = make_drafter(runtime, cfg.replace(lookup_first=False, max_ngram=DraftConfig.max_ngram), eos_ids, draft_runtime, adapter)
+        return LookupFirstDrafter(inner, cfg)
     if cfg.strategy == "exit-adapter":
         return ExitAdapterDrafter(runtime, cfg, eos_ids, adapter)
     cls = {

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import asdict, fields
 
 import torch
@@ -24,6 +26,8 @@ from selfspec.runtime import Runtime
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 _DRAFT_FIELDS = {f.name for f in fields(DraftConfig)}
+MAX_DRAFTERS = 32  # draft configurations kept ready per model (least recently used dropped first)
+MAX_DRAFT_HEADS = 8  # restricted draft heads (one per vocabulary size) kept per model
 
 
 def default_device() -> str:
@@ -67,7 +71,23 @@ def fingerprint(spec: ModelSpec, runtime: Runtime) -> str:
     return h.hexdigest()[:16]
 
 
+def _lru_get(cache: OrderedDict, key, make, limit: int):
+    """cache[key], made on a miss; the least recently used entries beyond `limit` are dropped."""
+    if key in cache:
+        cache.move_to_end(key)
+        return cache[key]
+    value = cache[key] = make()
+    while len(cache) > limit:
+        cache.popitem(last=False)
+    return value
+
+
 class SelfSpecModel:
+    """A loaded model. Its memory is bounded however many draft configurations it serves
+    (MAX_DRAFTERS drafters, MAX_DRAFT_HEADS restricted heads shared by the drafters). It is
+    thread-safe: concurrent `generate` calls run one at a time, each exactly as it would alone
+    (for concurrent throughput, batch requests: `selfspec serve`)."""
+
     def __init__(self, runtime: Runtime, tokenizer, name: str = ""):
         self.runtime = runtime
         self.tokenizer = tokenizer
@@ -81,10 +101,12 @@ class SelfSpecModel:
         if gen_eos is not None:
             eos.update(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
         self.eos_token_ids = tuple(sorted(eos))
-        self._drafters: dict[DraftConfig, Drafter] = {}
+        self._drafters: OrderedDict[DraftConfig, Drafter] = OrderedDict()
+        self._draft_heads: OrderedDict[int, tuple[torch.Tensor, object]] = OrderedDict()
         self._draft_models: dict[str, Runtime] = {}
         self._token_order: torch.Tensor | None = None
         self._costs: dict = {}
+        self._lock = threading.RLock()  # drafters keep per-generation state: one generation at a time
 
     @property
     def context_length(self) -> int:
@@ -121,34 +143,45 @@ class SelfSpecModel:
         unknown = set(options) - _DRAFT_FIELDS
         if unknown:
             raise SelfSpecError(f"unknown option(s): {', '.join(sorted(unknown))}")
-        base: dict = {}
-        if profile is not None:
-            prof = profile if isinstance(profile, Profile) else load_profile(profile, self.fingerprint)
-            if prof.model_fingerprint != self.fingerprint:
-                raise SelfSpecError("the profile was made for another model")
-            base = prof.draft.to_dict()
-            if strategy == "auto" and prof.draft.strategy != "auto":  # auto gates the profile's draft
-                base = {"strategy": "auto", "base": base}
-        if strategy is not None:
-            base["strategy"] = strategy
-        base.update({k: v for k, v in options.items() if v is not None})
-        return DraftConfig.from_dict(base)
+        given = {k: v for k, v in options.items() if v is not None}
+        if profile is None:
+            return DraftConfig.from_dict({**({"strategy": strategy} if strategy else {}), **given})
+        prof = profile if isinstance(profile, Profile) else load_profile(profile, self.fingerprint)
+        if prof.model_fingerprint != self.fingerprint:
+            raise SelfSpecError("the profile was made for another model")
+        draft = prof.draft
+        if strategy is None or strategy == draft.strategy:  # options refine the profile's draft
+            return DraftConfig.from_dict({**draft.to_dict(), **given})
+        if strategy == "auto":  # auto gates the profile's draft (refined by the options)
+            return DraftConfig("auto", base=DraftConfig.from_dict({**draft.to_dict(), **given}))
+        raise SelfSpecError(f"the profile drafts with {draft.strategy}; strategy {strategy} cannot use it (drop one of the two)")
 
     def drafter(self, cfg: DraftConfig) -> Drafter:
-        key = cfg
-        if key not in self._drafters:
-            if cfg.strategy == "auto":
-                d = self._auto_drafter(cfg)
-            else:
-                draft_rt = self._draft_runtime(cfg.draft_model) if cfg.strategy == "draft-model" else None
-                adapter = self._adapter(cfg) if cfg.strategy == "exit-adapter" else None
-                if adapter is not None and cfg.exit_layer is None:
-                    cfg = cfg.replace(exit_layer=adapter.meta.exit_layer)
-                d = make_drafter(self.runtime, cfg, self.eos_token_ids, draft_rt, adapter)
-                if cfg.draft_vocab is not None:
-                    d.set_draft_vocab(self.draft_vocabulary(cfg.draft_vocab))
-            self._drafters[key] = d
-        return self._drafters[key]
+        """The drafter for cfg, kept for reuse (at most MAX_DRAFTERS, least recently used dropped)."""
+        with self._lock:
+            return _lru_get(self._drafters, cfg, lambda: self._make_drafter(cfg), MAX_DRAFTERS)
+
+    def _make_drafter(self, cfg: DraftConfig) -> Drafter:
+        if cfg.strategy == "auto":
+            return self._auto_drafter(cfg)
+        draft_rt = self._draft_runtime(cfg.draft_model) if cfg.strategy == "draft-model" else None
+        adapter = self._adapter(cfg) if cfg.strategy == "exit-adapter" else None
+        if adapter is not None and cfg.exit_layer is None:
+            cfg = cfg.replace(exit_layer=adapter.meta.exit_layer)
+        d = make_drafter(self.runtime, cfg, self.eos_token_ids, draft_rt, adapter)
+        if cfg.draft_vocab is not None:
+            d.set_draft_vocab(*self.draft_head(cfg.draft_vocab))
+        return d
+
+    def draft_head(self, n: int) -> tuple[torch.Tensor, object]:
+        """(ids of the n most frequent tokens, those LM-head columns prepared for the runtime):
+        one copy per vocabulary size, shared by every drafter that drafts over it."""
+        def make():
+            vocab = self.draft_vocabulary(n)
+            return vocab, self.runtime.prepare_weight(self.runtime.head_columns(vocab).contiguous())
+
+        with self._lock:
+            return _lru_get(self._draft_heads, n, make, MAX_DRAFT_HEADS)
 
     def _adapter(self, cfg: DraftConfig):
         from selfspec.adapter import load_adapter
@@ -174,7 +207,7 @@ class SelfSpecModel:
             ident = self._cost_identity(key)
             costs = load_costs(ident)
             if costs is None:
-                heads = {n: self.runtime.prepare_weight(self.runtime.head_columns(self.draft_vocabulary(n)).contiguous()) for n in key}
+                heads = {n: self.draft_head(n)[1] for n in key}
                 costs = CostModel.measure(self.runtime, heads)
                 save_costs(ident, costs)
             self._costs[key] = costs
@@ -212,10 +245,7 @@ class SelfSpecModel:
         if n is None and self.spec.vocab_size > 2 * AUTO_DRAFT_VOCAB and (self.tokenizer is not None or self._token_order is not None):
             n = AUTO_DRAFT_VOCAB  # FR-Spec: on a big vocabulary the full draft head would dominate
         costs = self.cost_model((n,) if n else ())
-        head = vocab = None
-        if n:
-            vocab = self.draft_vocabulary(n)
-            head = self.runtime.prepare_weight(self.runtime.head_columns(vocab).contiguous())
+        vocab, head = self.draft_head(n) if n else (None, None)
 
         def choose_base(ids: list[int], captured: dict) -> tuple[Drafter, float | None]:
             chosen, pred = calibrate(self.runtime, ids, costs, cfg, captured, head, vocab, n)
@@ -238,8 +268,11 @@ class SelfSpecModel:
 
     def set_token_frequencies(self, order: torch.Tensor) -> None:
         """Token ids, most frequent first: defines the restricted draft vocabularies."""
-        self._token_order = order.to(torch.long)
-        self._drafters = {k: v for k, v in self._drafters.items() if k.draft_vocab is None}
+        with self._lock:
+            self._token_order = order.to(torch.long)
+            self._draft_heads.clear()
+            for k in [k for k in self._drafters if k.draft_vocab is not None or k.strategy == "auto"]:
+                del self._drafters[k]
 
     def _draft_runtime(self, source: str) -> Runtime:
         if source not in self._draft_models:
@@ -283,7 +316,8 @@ class SelfSpecModel:
         budget = min(gen.max_new_tokens, self.context_length - len(ids))
         if budget != gen.max_new_tokens:
             gen = GenerationConfig(budget, gen.stop, gen.chat)
-        return generate(self.runtime, self.drafter(cfg), ids, gen, sampling, self.tokenizer, self.eos_token_ids, on_event)
+        with self._lock:  # one generation at a time (class doc)
+            return generate(self.runtime, self.drafter(cfg), ids, gen, sampling, self.tokenizer, self.eos_token_ids, on_event)
 
 
 def load(

@@ -417,7 +417,7 @@ def calibrate(runtime, ids: list[int], costs: CostModel, auto_cfg: DraftConfig, 
         for k in range(1, CALIBRATION_MAX_K + 1):
             for lookup_first in (False, True):
                 cfg = DraftConfig("early-exit", exit_layer=E, num_speculations=k, draft_vocab=draft_vocab,
-                                  lookup_first=lookup_first, max_ngram=auto_cfg.max_ngram)
+                                  lookup_first=lookup_first, **({"max_ngram": auto_cfg.max_ngram} if lookup_first else {}))
                 candidates.append((cfg, simulate(cfg, cal, costs, tokens=ids, start=len(ids) - len(cal.match))))
     top_cfg, top = max(candidates, key=lambda c: c[1].speedup)
     # Near ties go to the longer draft at the same exit: fixed per-step costs the model

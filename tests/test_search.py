@@ -253,7 +253,7 @@ def test_auto_uses_an_installed_profile(tmp_path, monkeypatch):
 
 
 def test_auto_config_validation():
-    with pytest.raises(SelfSpecError, match="only the auto strategy"):
+    with pytest.raises(SelfSpecError, match="base is not used by the early-exit strategy"):
         DraftConfig("early-exit", exit_layer=1, base=DraftConfig("prompt-lookup"))
     with pytest.raises(SelfSpecError, match="cannot gate"):
         DraftConfig("auto", base=DraftConfig("auto"))
@@ -356,7 +356,7 @@ def test_adapter_keys_and_values_cover_every_position(zoo, mode):
     a = _adapter(m, heads=2)
     cfg = DraftConfig("exit-adapter", exit_layer=2, adapter="unused", num_speculations=3)
     inner = ExitAdapterDrafter(m.runtime, cfg, adapter=a)
-    drafter = {"plain": inner, "sampling": inner, "lookup_first": LookupFirstDrafter(inner),
+    drafter = {"plain": inner, "sampling": inner, "lookup_first": LookupFirstDrafter(inner, cfg.replace(lookup_first=True)),
                "auto_calibrated": AutoDrafter(m.runtime, DraftConfig("auto"), costs=_fake_costs(L=m.spec.num_layers, draft_head=0.01),
                                               choose_base=lambda ids, captured: (inner, 0.9), timing=False)}[mode]
     ids = [int(t) for t in torch.randint(3, VOCAB, (10,), generator=torch.Generator().manual_seed(1))] * 2  # repeats: lookup matches

@@ -156,7 +156,7 @@ def client(server):
 
 
 def direct(model, prompt, max_new_tokens=40, **kw):
-    kw = {"temperature": 0.0, **STRATEGY, **kw}
+    kw = {"temperature": 0.0, **({} if "strategy" in kw else STRATEGY), **kw}
     return model.generate(prompt, max_new_tokens=max_new_tokens, **kw)
 
 

@@ -42,11 +42,10 @@ import math
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
 
-from selfspec.config import MAX_SPECULATIONS, STRATEGIES, DraftConfig, SamplingConfig
+from selfspec.config import MAX_SPECULATIONS, STRATEGIES, ConfigError, ConfigTypeError, DraftConfig, SamplingConfig, coerce_fields, typed
 from selfspec.errors import SelfSpecError
 
 log = logging.getLogger("selfspec.server")
@@ -64,7 +63,6 @@ REQUEST_DRAFT_OPTIONS = (
     "max_ngram",
 )
 MAX_REQUEST_NGRAM = 8
-_MAX_DRAFTERS = 32  # distinct per-request draft configs kept warm in the model's drafter cache
 
 
 @dataclass
@@ -86,12 +84,13 @@ class ServerSettings:
     replica_id: str = ""  # shown in the X-SelfSpec-Replica header and the stats (Ray Serve)
 
     def __post_init__(self):
-        self.aliases = tuple(a for a in (self.aliases or ()) if a and a != self.model_name)
+        coerce_fields(self)
+        self.aliases = tuple(a for a in self.aliases if a and a != self.model_name)
         if not self.model_name:
             raise SelfSpecError("the served model name is empty")
         for name in ("max_concurrency", "max_new_tokens_limit", "default_max_tokens", "max_stop", "max_request_bytes"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            if v < 1:
                 raise SelfSpecError(f"{name} must be a positive integer, got {v!r}")
         if not (self.queue_timeout_s > 0):
             raise SelfSpecError(f"queue_timeout_s must be > 0, got {self.queue_timeout_s!r}")
@@ -309,7 +308,6 @@ class _Server:
         if draft_config.strategy not in allowed:
             allowed.append(draft_config.strategy)  # the served configuration itself is always allowed
         self.allowed = tuple(allowed)
-        self.request_drafters: OrderedDict = OrderedDict()
         self.live: set = set()  # jobs submitted and not yet finished by the engine thread
 
     def shutdown(self) -> None:
@@ -474,39 +472,30 @@ class _Server:
         if unknown:
             raise _bad(f"'selfspec.{unknown[0]}' cannot be set per request; allowed: {', '.join(REQUEST_DRAFT_OPTIONS)}.",
                        param=f"selfspec.{unknown[0]}", code="unsupported_parameter")
-        opts = {}
-        for k, v in ext.items():
-            p = f"selfspec.{k}"
-            if k == "strategy":
-                if not isinstance(v, str):
-                    raise _bad(f"'{p}' must be a string.", param=p, code="invalid_type")
-                if v not in self.allowed:
-                    raise _bad(f"Strategy {v!r} is not allowed on this server; allowed: {', '.join(self.allowed)}.", param=p, code="invalid_value")
-            elif k in ("exit_layer", "num_speculations", "max_ngram"):
-                if not _is_int(v):
-                    raise _bad(f"'{p}' must be an integer.", param=p, code="invalid_type")
-                if k == "num_speculations" and not 1 <= v <= self.settings.max_num_speculations:
-                    raise _bad(f"'{p}' must be in 1..{self.settings.max_num_speculations} on this server, got {v}.", param=p, code="invalid_value")
-                if k == "max_ngram" and not 1 <= v <= MAX_REQUEST_NGRAM:
-                    raise _bad(f"'{p}' must be in 1..{MAX_REQUEST_NGRAM}, got {v}.", param=p, code="invalid_value")
-            elif k in ("skip_attn", "skip_mlp"):
-                if not (isinstance(v, list) and all(_is_int(i) for i in v)):
-                    raise _bad(f"'{p}' must be a list of layer indices.", param=p, code="invalid_type")
-                v = tuple(v)
-            elif k == "draft_threshold":
-                if v is not None and not _is_num(v):
-                    raise _bad(f"'{p}' must be a number or null.", param=p, code="invalid_type")
-            elif k == "adaptive":
-                if not isinstance(v, bool):
-                    raise _bad(f"'{p}' must be a boolean.", param=p, code="invalid_type")
-            opts[k] = v
         try:
-            cfg = replace(self.draft, **opts)
+            opts = typed(DraftConfig, ext, text=False)  # JSON: values must have their field's type
+        except ConfigError as e:
+            raise _bad(f"Invalid 'selfspec' draft options: {e}", param=f"selfspec.{e.field}", code="invalid_type") from None
+        strategy = opts.get("strategy", self.draft.strategy)
+        if strategy not in self.allowed:
+            raise _bad(f"Strategy {strategy!r} is not allowed on this server; allowed: {', '.join(self.allowed)}.",
+                       param="selfspec.strategy", code="invalid_value")
+        try:
+            # a request that changes the strategy starts from that strategy's defaults, not from
+            # options of the served one it would not use
+            cfg = (replace(self.draft, **opts) if strategy == self.draft.strategy else DraftConfig.from_dict(opts))
             if cfg.strategy == "draft-model" and self.draft.strategy != "draft-model":
                 raise SelfSpecError("draft-model is not allowed per request")
+            if cfg.num_speculations > self.settings.max_num_speculations:
+                raise ConfigError(f"num_speculations must be in 1..{self.settings.max_num_speculations} on this server, "
+                                  f"got {cfg.num_speculations}", "num_speculations")
+            if cfg.max_ngram > MAX_REQUEST_NGRAM:
+                raise ConfigError(f"max_ngram must be in 1..{MAX_REQUEST_NGRAM}, got {cfg.max_ngram}", "max_ngram")
             cfg.check_model(self.num_layers, self.vocab_size)
         except SelfSpecError as e:
-            raise _bad(f"Invalid 'selfspec' draft options: {e}", param="selfspec", code="invalid_value") from None
+            field = getattr(e, "field", None)
+            raise _bad(f"Invalid 'selfspec' draft options: {e}", param=f"selfspec.{field}" if field else "selfspec",
+                       code="invalid_type" if isinstance(e, ConfigTypeError) else "invalid_value") from None
         return cfg
 
     def _encode_prompt(self, prompt) -> list[int]:
@@ -611,7 +600,6 @@ class _Server:
         self.metrics.queue_time.observe(job.t_start - job.t_arrival)
         p = job.params
         try:
-            self._keep_drafter_cache_bounded(p.draft)
             result = self.model.generate(
                 p.prompt_ids,
                 max_new_tokens=p.max_tokens,
@@ -636,19 +624,6 @@ class _Server:
             self.live.discard(job)
             self.metrics.running.set(0)
             self.ewma_job_s = 0.8 * self.ewma_job_s + 0.2 * (time.perf_counter() - job.t_start)
-
-    def _keep_drafter_cache_bounded(self, cfg: DraftConfig) -> None:
-        """Per-request draft configs each get a drafter in the model's cache; keep at most a
-        few besides the served one (runs on the engine thread, the cache's only user)."""
-        if cfg == self.draft:
-            return
-        self.request_drafters[cfg] = None
-        self.request_drafters.move_to_end(cfg)
-        cache = getattr(self.model, "_drafters", None)
-        while len(self.request_drafters) > _MAX_DRAFTERS:
-            old, _ = self.request_drafters.popitem(last=False)
-            if isinstance(cache, dict) and old != self.draft:
-                cache.pop(old, None)
 
     async def wait_for_start(self, job: _Job, watcher: asyncio.Future | None) -> None:
         """Wait until the engine picks the job up; 503 after queue_timeout_s; _ClientGone."""

@@ -46,7 +46,7 @@ import tempfile
 import threading
 from dataclasses import fields
 
-from selfspec.config import DraftConfig
+from selfspec.config import DraftConfig, coerce
 from selfspec.errors import SelfSpecError
 
 _DRAFT_FIELDS = {f.name for f in fields(DraftConfig)}
@@ -88,16 +88,14 @@ def _replica_class():
     return SelfSpecReplica
 
 
+# The builder's own arguments; DraftConfig fields are typed by DraftConfig itself.
+_BUILD_ARG_TYPES = {"replicas": int, "threads": int | None, "num_cpus": float | None, "warmup": bool}
+
+
 def _coerce(key: str, value):
-    """Serve CLI builder args arrive as strings."""
-    if not isinstance(value, str):
-        return value
-    if key in ("replicas", "threads", "num_speculations", "exit_layer", "max_ngram", "draft_vocab"):
-        return int(value)
-    if key in ("num_cpus", "draft_threshold"):
-        return float(value)
-    if key in ("adaptive", "warmup"):
-        return value.lower() in ("1", "true", "yes")
+    """Serve CLI builder args arrive as strings: give each its field's type (config.coerce)."""
+    if key in _BUILD_ARG_TYPES:
+        return coerce(key, _BUILD_ARG_TYPES[key], value)
     return value
 
 
