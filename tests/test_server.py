@@ -28,7 +28,7 @@ openai = pytest.importorskip("openai")
 import torch  # noqa: E402
 
 import selfspec  # noqa: E402
-from selfspec.server.app import ServerSettings, _stop_holdback, create_app  # noqa: E402
+from selfspec.server.app import ServerSettings, create_app  # noqa: E402
 
 KEY = "test-key-123"
 NAME = "tiny"
@@ -287,11 +287,22 @@ def test_stop_strings_stream_and_plain_agree(client, model):
 
 
 def test_stop_holdback_unit():
-    assert _stop_holdback("abc", ("cd",)) == 1
-    assert _stop_holdback("abc", ("bcz", "q")) == 2
-    assert _stop_holdback("abc", ("xbc",)) == 0
-    assert _stop_holdback("abc", ("zz",)) == 0
-    assert _stop_holdback("", ("ab",)) == 0
+    """The engine holds back text that may still become a stop string; the server forwards
+    the engine's deltas as they are (one holdback, so the two cannot disagree)."""
+    from selfspec.config import GenerationConfig
+    from selfspec.engine import _Output
+
+    def hold(text, stops):
+        return _Output(None, GenerationConfig(stop=stops), (), None)._stop_prefix_len(text)
+
+    assert hold("abc", ("cd",)) == 1
+    assert hold("abc", ("bcz", "q")) == 2
+    assert hold("abc", ("xbc",)) == 0
+    assert hold("abc", ("zz",)) == 0
+    assert hold("", ("ab",)) == 0
+    import selfspec.server.app as app
+
+    assert not hasattr(app, "_stop_holdback")
 
 
 def test_sampling_with_seed_is_reproducible_and_matches_direct(client, model):

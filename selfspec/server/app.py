@@ -728,18 +728,6 @@ def _sse(obj) -> str:
     return "data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n\n"
 
 
-def _stop_holdback(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of a stop string: text
-    that a later token may turn into a stop string (and so must not be sent yet)."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
-
-
 def create_app(model, draft_config: DraftConfig | None = None, settings: ServerSettings | None = None):
     """A FastAPI app serving `model` (a loaded SelfSpecModel) with `draft_config` as the
     default draft configuration (None: auto)."""
@@ -944,7 +932,6 @@ def create_app(model, draft_config: DraftConfig | None = None, settings: ServerS
         obj = "chat.completion.chunk" if chat else "text_completion"
         base = {"id": rid, "object": obj, "created": created, "model": job.params.model, "system_fingerprint": srv.fingerprint}
         include_usage = job.params.include_usage
-        stops = job.params.stop
         info = request.scope.setdefault("state", {})
         state = {"status": 200, "result": None, "closed": False}
 
@@ -965,26 +952,24 @@ def create_app(model, draft_config: DraftConfig | None = None, settings: ServerS
             return _sse(c)
 
         async def events():
+            # The engine's deltas are already safe to send: it holds back text that could
+            # still become a stop string or an incomplete character (engine._Output).
             sent = ""
-            pending = ""
             item = first
             if chat:
                 yield chunk(None, role=True)
             while True:
                 kind = item[0]
                 if kind == "tok":
-                    pending += item[1]
+                    out = item[1]
                     while not job.events.empty():  # coalesce what the engine committed meanwhile
                         nxt = job.events.get_nowait()
                         if nxt[0] != "tok":
                             item = nxt
                             break
-                        pending += nxt[1]
+                        out += nxt[1]
                     else:
                         item = None
-                    hold = _stop_holdback(sent + pending, stops) if stops else 0
-                    hold = min(hold, len(pending))
-                    out, pending = pending[: len(pending) - hold], pending[len(pending) - hold:]
                     if out:
                         sent += out
                         yield chunk(out)
