@@ -56,9 +56,9 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "has_pairs", "supports", "matmul", "pack", "pack_rows", "PackedWeight", "FusedBlocks", "norm_rows", "softcap_"]
+__all__ = ["available", "has_pairs", "supports", "matmul", "pack", "pack_rows", "PackedWeight", "FusedBlocks", "norm_rows", "softcap_", "QuantizedWeight"]
 
-_SRCS = [Path(__file__).with_name("csrc") / name for name in ("gemm.c", "blocks.c")]
+_SRCS = [Path(__file__).with_name("csrc") / name for name in ("gemm.c", "blocks.c", "quant.c")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _NEEDED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "fma")
 _TILE = 64  # columns per tile, must match NT in gemm.c
@@ -155,9 +155,15 @@ def _load():
                                                ctypes.c_float, ctypes.c_void_p]
             dll.selfspec_softcap.restype = ctypes.c_int
             dll.selfspec_softcap.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_float]
+            dll.selfspec_qgemm.restype = ctypes.c_int
+            dll.selfspec_qgemm.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                           ctypes.c_int, ctypes.c_int]
+            dll.selfspec_qgemm_ref.restype = ctypes.c_int
+            dll.selfspec_qgemm_ref.argtypes = [ctypes.c_long] + [ctypes.c_void_p] * 3
             _lib = (fn, ref)
             _blocks.update(attn=dll.selfspec_attn_block, mlp=dll.selfspec_mlp_block,
                            norm_rows=dll.selfspec_norm_rows, softcap=dll.selfspec_softcap,
+                           qgemm=dll.selfspec_qgemm, qgemm_ref=dll.selfspec_qgemm_ref,
                            pairs=bool(dll.selfspec_has_pairs()), pairs_ref=dll.selfspec_gemm_pairs_ref)
         except Exception as e:  # noqa: BLE001 - any failure means "use torch"
             _load_error = f"{type(e).__name__}: {e}"
@@ -229,6 +235,64 @@ class PackedWeight:
         return f"PackedWeight(shape={tuple(self.shape)}, dtype={self.dtype}, pairs={self.pairs})"
 
 
+class _QDesc(ctypes.Structure):  # ss_qweight in csrc/quant.c
+    _fields_ = [("q", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p),
+                ("in_features", ctypes.c_long), ("out_features", ctypes.c_long), ("group", ctypes.c_long), ("bits", ctypes.c_int)]
+
+
+class QuantizedWeight:
+    """A [K, N] weight as int8 per output channel or int4 in groups of `group` rows with a zero
+    point (selfspec.quant makes them; csrc/quant.c for the layouts and the chains). matmul
+    multiplies by it without dequantising it in memory; dequantize() gives the fp32 [K, N]."""
+
+    __slots__ = ("q", "scale", "zero", "in_features", "out_features", "group", "bits", "desc")
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, in_features: int,
+                 out_features: int, bits: int, group: int = 0):
+        # int8: fp32 scales per column; int4: fp16 scales and zero points per (group, column)
+        sdt = torch.float32 if bits == 8 else torch.float16
+        self.q, self.scale = q.contiguous(), scale.to(sdt).contiguous()
+        self.zero = None if zero is None else zero.to(sdt).contiguous()
+        self.in_features, self.out_features, self.bits, self.group = in_features, out_features, bits, group
+        self.desc = _QDesc(self.q.data_ptr(), self.scale.data_ptr(), 0 if self.zero is None else self.zero.data_ptr(),
+                           in_features, out_features, group, bits)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.in_features, self.out_features))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.zero) if t is not None)
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 [K, N] weight this stands for (tests, torch fallback)."""
+        k, n = self.in_features, self.out_features
+        if self.bits == 8:
+            q = self.q.permute(1, 0, 2).reshape(k, -1)[:, :n].float()  # [NB, K, 64] -> [K, N]
+            return q * self.scale
+        b = self.q.permute(1, 0, 2)  # [K, NB, 32]
+        u = torch.cat([b & 0xF, b >> 4], dim=-1).reshape(k, -1)[:, :n].float()  # low nibbles: columns 0..31 of a tile
+        g = torch.arange(k, device=u.device) // self.group
+        return self.scale.float()[g] * (u - self.zero.float()[g])
+
+    def __repr__(self) -> str:
+        return f"QuantizedWeight(shape={tuple(self.shape)}, bits={self.bits}, group={self.group})"
+
+
+def _qgemm_ref(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """Scalar C reference of the quantized chains (fp32 x and out); tests only."""
+    _load()
+    x = x.float().contiguous()
+    y = torch.empty(x.shape[0], w.out_features)
+    _blocks["qgemm_ref"](x.shape[0], x.data_ptr(), ctypes.addressof(w.desc), y.data_ptr())
+    return y
+
+
 def pack(w: torch.Tensor, pairs: bool | None = None) -> PackedWeight:
     """Re-lay w [K, N] (bf16 or fp32, CPU) as 64-column tiles for matmul. Plain tiles give results
     bit-identical to matmul with the plain w. pairs (default: has_pairs() for bf16 weights) uses
@@ -280,6 +344,12 @@ def _check(x, w) -> str | None:
         return f"unsupported activation dtype {x.dtype}"
     if x.device.type != "cpu":
         return "x must be on the CPU"
+    if isinstance(w, QuantizedWeight):
+        if w.device.type != "cpu":
+            return "w must be on the CPU"
+        if x.shape[1] != w.in_features:
+            return f"shape mismatch: x {tuple(x.shape)} @ w {tuple(w.shape)}"
+        return None
     if isinstance(w, PackedWeight):
         t = w.data
         k_rows = (w.in_features + 1) // 2 if w.pairs else w.in_features
@@ -308,11 +378,11 @@ def supports(x, w) -> bool:
     return available() and _check(x, w) is None
 
 
-def matmul(x: torch.Tensor, w: torch.Tensor | PackedWeight, *, num_threads: int | None = None) -> torch.Tensor:
+def matmul(x: torch.Tensor, w: torch.Tensor | PackedWeight | QuantizedWeight, *, num_threads: int | None = None) -> torch.Tensor:
     """y = x @ w with the fixed-order fp32 FMA chain described in the module doc.
 
     x: [M, K] bf16/fp32 CPU (made contiguous if needed). w: [K, N] bf16/fp32 contiguous CPU
-    tensor, or pack(w). Returns [M, N] in x.dtype. Raises ValueError for bad operands and
+    tensor, pack(w), or a QuantizedWeight (its own chains: csrc/quant.c). Returns [M, N] in x.dtype. Raises ValueError for bad operands and
     RuntimeError if the kernel is not available (check available()/supports() first).
     num_threads only changes speed, never results (default torch.get_num_threads()).
     """
@@ -330,10 +400,16 @@ def matmul(x: torch.Tensor, w: torch.Tensor | PackedWeight, *, num_threads: int 
     if k == 0:
         return y.zero_()
     x = x.detach().contiguous()
+    nt = torch.get_num_threads() if num_threads is None else int(num_threads)
+    if isinstance(w, QuantizedWeight):
+        rc = _blocks["qgemm"](m, x.data_ptr(), x.dtype == torch.bfloat16, ctypes.addressof(w.desc), y.data_ptr(),
+                              y.dtype == torch.bfloat16, nt)
+        if rc != 0:
+            raise RuntimeError(f"kernels.matmul: quantized kernel returned {rc}")
+        return y
     packed = isinstance(w, PackedWeight)
     wt = (w.data if packed else w).detach()
     layout = 2 if packed and w.pairs else int(packed)
-    nt = torch.get_num_threads() if num_threads is None else int(num_threads)
     rc = fn(m, k, n, x.data_ptr(), x.dtype == torch.bfloat16, wt.data_ptr(), wt.dtype == torch.bfloat16,
             layout, y.data_ptr(), y.dtype == torch.bfloat16, nt)
     if rc != 0:
@@ -389,7 +465,8 @@ class FusedBlocks:
 
     Row-invariant like matmul (see csrc/blocks.c for the fixed reduction orders), so a verify
     pass over T rows equals T single-row steps bit for bit. `layers` are the runtime's layer
-    dicts ([in, out] matrices of `dtype` or PackedWeights, fp32 norm vectors, optional biases);
+    dicts ([in, out] matrices of `dtype`, PackedWeights or QuantizedWeights, fp32 norm vectors,
+    optional biases);
     the C structs hold raw pointers, so this object keeps every tensor it points at alive.
     """
 
@@ -409,6 +486,11 @@ class FusedBlocks:
             s = _Layer()
             for name, flag in zip(_WEIGHTS, ("wqkv_packed", "wo_packed", "gu_packed", "down_packed")):
                 w = L[name]
+                if isinstance(w, QuantizedWeight):  # a drafting copy: layout 3, the C side reads the descriptor
+                    setattr(s, name, ctypes.addressof(w.desc))
+                    setattr(s, flag, 3)
+                    self._keep.append(w)
+                    continue
                 t = w.data if isinstance(w, PackedWeight) else w
                 if t.dtype != dtype or not t.is_contiguous():
                     raise ValueError(f"FusedBlocks: {name} must be a contiguous {dtype} matrix")

@@ -27,6 +27,7 @@ On such a CPU a warning says once that exact losslessness then depends on the BL
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 
@@ -37,6 +38,8 @@ from selfspec.architectures import ModelSpec, rotary_tables, weights_from_state_
 from selfspec import kernels
 from selfspec.cache import KVCache
 from selfspec.config import MAX_SPECULATIONS
+from selfspec.errors import SelfSpecError
+from selfspec.quant import quantize
 
 
 _MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
@@ -71,6 +74,17 @@ def _kernel_mm(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tenso
     row-invariant by construction, ~2x torch's bf16 matmul at decode sizes."""
     y = kernels.matmul(x, w)
     return y if b is None else y + b
+
+
+def quantize_columns(w: torch.Tensor, bits: int, group: int, chunk: int = 16384):
+    """quantize(w) for a wide w [K, N] (an LM head), 16k columns at a time: the quantizers work
+    per column, so this is the same result with a fraction of the temporary memory."""
+    if w.shape[1] <= chunk:
+        return quantize(w, bits, group)
+    parts = [quantize(w[:, i : i + chunk], bits, group) for i in range(0, w.shape[1], chunk)]
+    cat = lambda name, dim: torch.cat([getattr(p, name) for p in parts], dim)  # noqa: E731
+    return kernels.QuantizedWeight(cat("q", 0), cat("scale", -1), None if bits == 8 else cat("zero", -1),
+                                   w.shape[0], w.shape[1], bits, parts[0].group)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -161,6 +175,27 @@ class Runtime:
         """Bytes of weights one decode step reads (layers + LM head; the embedding is a gather)."""
         tensors = [getattr(t, "data", t) for L in self.layers for t in L.values()] + [getattr(self.head, "data", self.head), self.final_norm]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def quantized(self, bits: int, group: int = 32, head=None) -> "Runtime":
+        """A drafting copy of this runtime whose matrices are `bits`-bit copies of its own
+        (selfspec.quant; int4 in groups of `group` rows): embeddings, norms and rotary tables
+        are shared, and it reads and writes the same KVCache layout, so a draft can attend to
+        the verifier's exact keys and values. `head`: the LM head columns it drafts over
+        ([H, N] tensor; None: the whole head), quantized the same way. CPU kernels only."""
+        if not self.uses_kernels:
+            raise SelfSpecError("quantized drafting needs selfspec's CPU kernels (x86-64 with AVX-512); "
+                                f"they are unavailable here ({kernels.load_error() or self.device.type})")
+        q = copy.copy(self)  # shallow: spec, embeddings, norms and rope tables are shared
+        q.layers = [{k: quantize(self.weight(i, k), bits, group) if k in _MATRICES else w for k, w in L.items()}
+                    for i, L in enumerate(self.layers)]
+        q.head = quantize_columns(self.head_weight() if head is None else head, bits, group)
+        q.embed = self.embed  # embeddings stay exact (a tied model gathers them from the full head)
+        q.blocks = kernels.FusedBlocks(
+            hidden=self.spec.hidden_size, heads=self.spec.num_heads, kv_heads=self.spec.num_kv_heads,
+            head_dim=self.spec.head_dim, inter=self.layers[0]["w_down"].shape[0], eps=self.spec.rms_norm_eps,
+            attn_scale=self.spec.attn_scale, activation=self.spec.activation, qk_norm=self.spec.qk_norm,
+            sandwich=self.spec.sandwich_norms, layers=q.layers, dtype=self.dtype)
+        return q
 
     def head_weight(self) -> torch.Tensor:
         """The whole LM head as a plain [H, V] tensor (a copy when it is stored packed)."""

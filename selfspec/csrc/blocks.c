@@ -40,7 +40,8 @@ typedef struct {
 } ss_dims;
 
 typedef struct {
-    const void *wqkv, *wo, *w_gate_up, *w_down;             /* [in, out] (ss_dims.f32's type), plain or packed */
+    const void *wqkv, *wo, *w_gate_up, *w_down;             /* [in, out] (ss_dims.f32's type), plain or packed,
+                                                               or (layout 3) an ss_qweight: a quantized draft copy */
     int wqkv_packed, wo_packed, gu_packed, down_packed;
     const float *bqkv, *bo, *b_gate_up, *b_down;             /* fp32 or NULL */
     const float *attn_norm, *q_norm, *k_norm, *post_attn_norm, *mlp_norm, *post_mlp_norm;  /* fp32 */

@@ -396,15 +396,19 @@ static int gemm_pairs(long M, long K, long N, const void *x, int x_bf16, const u
 #endif
 }
 
+int selfspec_qgemm(long M, const void *x, int x_bf16, const void *w, void *y, int y_bf16, int nthreads);
+
 /* x: [M, K] (x_bf16 ? bf16 : fp32), contiguous.  y: [M, N] (y_bf16 ? bf16 : fp32).
  * w: plain (packed=0): [K, N] contiguous; packed (packed=1): [ceil(N/64), K, 64];
  * pairs (packed=2, bf16 only): [ceil(N/64), ceil(K/2), 64, 2] (see tile_pairs).
+ * quantized (packed=3): w points to an ss_qweight descriptor (quant.c; K and N must match).
  * w_bf16: weight dtype. nthreads <= 0: OpenMP default. Returns 0 on success. */
 int selfspec_gemm(long M, long K, long N, const void *x, int x_bf16, const void *w, int w_bf16,
                   int packed, void *y, int y_bf16, int nthreads) {
     if (M <= 0 || N <= 0) return 0;
     if (K <= 0) return 2; /* caller handles K == 0 (all-zero output) */
     if (packed == 2) return gemm_pairs(M, K, N, x, x_bf16, (const uint16_t *)w, w_bf16, y, y_bf16, nthreads);
+    if (packed == 3) return selfspec_qgemm(M, x, x_bf16, w, y, y_bf16, nthreads);  /* w: an ss_qweight (quant.c) */
     float stackbuf[16384];
     float *xf = (M * K <= (long)(sizeof(stackbuf) / 4)) ? stackbuf : (float *)malloc(sizeof(float) * M * K);
     if (!xf) return 1;

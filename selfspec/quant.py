@@ -1,0 +1,84 @@
+"""Low-bit copies of the model's own weights, for drafting (verification never uses them).
+
+    int8: w[k, n] = s[n] * q[k, n],                  q in -127..127, one scale per output column
+    int4: w[k, n] = s[g, n] * (u[k, n] - z[g, n]),   u in 0..15, g = k // group (rows), z a real zero point
+          (s and z stored in fp16: 4 bytes per group and column, on top of 0.5 per weight)
+
+Both quantizers pick, per column (int8) or per (group, column) (int4), the clipping range from a
+grid that minimises the squared error of the dequantised weights (MSE clipping); plain absmax /
+min-max is the grid's first point, so the search can only do better. The result is a
+kernels.QuantizedWeight, multiplied without being dequantised in memory (csrc/quant.c).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from selfspec.kernels import QuantizedWeight
+
+TILE = 64  # columns per tile (csrc/quant.c)
+INT8_CLIPS = tuple(1.0 - 0.025 * i for i in range(13))  # absmax x 1.0 .. 0.7
+INT4_CLIPS = tuple(1.0 - 0.05 * i for i in range(10))  # range x 1.0 .. 0.55
+
+
+def _tiles(q: torch.Tensor) -> torch.Tensor:
+    """[K, N] -> [ceil(N/64), K, 64] (zero padded): each tile of columns one contiguous stream."""
+    k, n = q.shape
+    nb = (n + TILE - 1) // TILE
+    padded = q.new_zeros(k, nb * TILE)
+    padded[:, :n] = q
+    return padded.view(k, nb, TILE).permute(1, 0, 2).contiguous()
+
+
+def quantize_int8(w: torch.Tensor, clips: tuple[float, ...] = INT8_CLIPS) -> QuantizedWeight:
+    """w [K, N] (any float dtype) -> int8 with one scale per column, clipping by MSE."""
+    w = w.detach().float()
+    amax = w.abs().amax(0).clamp_min(1e-12)  # [N]
+    best_err = best_s = None
+    for c in clips:
+        s = amax * c / 127
+        err = ((torch.round(w / s).clamp(-127, 127) * s - w) ** 2).sum(0)
+        if best_err is None:
+            best_err, best_s = err, s
+        else:
+            better = err < best_err
+            best_err, best_s = torch.where(better, err, best_err), torch.where(better, s, best_s)
+    q = torch.round(w / best_s).clamp(-127, 127).to(torch.int8)
+    return QuantizedWeight(_tiles(q), best_s, None, w.shape[0], w.shape[1], bits=8)
+
+
+def quantize_int4(w: torch.Tensor, group: int = 32, clips: tuple[float, ...] = INT4_CLIPS) -> QuantizedWeight:
+    """w [K, N] -> int4 in groups of `group` rows with a real zero point per (group, column);
+    the [min, max] range is shrunk around its centre by the grid factor that minimises the MSE."""
+    w = w.detach().float()
+    k, n = w.shape
+    ng = (k + group - 1) // group
+    wg = torch.cat([w, w[-1:].expand(ng * group - k, n)]) if ng * group > k else w  # pad with a copy of the last row
+    wg = wg.view(ng, group, n)
+    lo, hi = wg.amin(1), wg.amax(1)  # [G, N]
+    mid, half = (hi + lo) / 2, ((hi - lo) / 2).clamp_min(1e-12)
+    best_err = best_s = best_z = None
+    for c in clips:
+        a, b = mid - half * c, mid + half * c
+        s = ((b - a) / 15).clamp_min(2**-14).half().float()  # stored as fp16 (normal range): quantize with the stored values
+        z = (-a / s).half().float()
+        u = torch.round(wg / s[:, None] + z[:, None]).clamp(0, 15)
+        err = (((u - z[:, None]) * s[:, None] - wg) ** 2).sum(1)
+        if best_err is None:
+            best_err, best_s, best_z = err, s, z
+        else:
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_s, best_z = torch.where(better, s, best_s), torch.where(better, z, best_z)
+    u = torch.round(wg / best_s[:, None] + best_z[:, None]).clamp(0, 15).view(ng * group, n)[:k].to(torch.uint8)
+    t = _tiles(u)  # [NB, K, 64]
+    packed = (t[..., :32] | (t[..., 32:] << 4)).contiguous()  # column c (low nibble) and c + 32 (high) share a byte
+    return QuantizedWeight(packed, best_s, best_z, k, n, bits=4, group=group)
+
+
+def quantize(w: torch.Tensor, bits: int, group: int = 32) -> QuantizedWeight:
+    if bits == 8:
+        return quantize_int8(w)
+    if bits == 4:
+        return quantize_int4(w, group)
+    raise ValueError(f"bits must be 4 or 8, got {bits}")
