@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import selfspec  # noqa: E402
-from selfspec.speedup import expected_tokens  # noqa: E402
+from selfspec.predictor.simulate import expected_tokens  # noqa: E402
 
 from common import machine  # noqa: E402
 

@@ -178,7 +178,7 @@ def load_adapter(path: str | os.PathLike, device="cpu") -> ExitAdapter:
 def draft_logits(runtime, h: torch.Tensor, head_columns: torch.Tensor) -> torch.Tensor:
     """Differentiable twin of Runtime.logits for training: final norm + head [H, N] in
     plain torch ops (the runtime's fast path is not autograd-aware). -> fp32 [T, N]."""
-    x = runtime._norm(h.float(), runtime.final_norm.float())
+    x = runtime.rms_norm(h.float(), runtime.final_norm.float())
     out = x @ head_columns.float()
     cap = runtime.spec.final_logit_softcap
     return torch.tanh(out / cap) * cap if cap else out

@@ -24,7 +24,9 @@ from selfspec.config import DraftConfig, SamplingConfig
 from selfspec.errors import SelfSpecError
 from selfspec.runtime import Runtime
 from selfspec.sampling import probs_from_logits, sample
-from selfspec.speedup import expected_tokens
+from selfspec.lookup import lookup_continuation
+from selfspec.predictor.calibrate import prefill_capturing
+from selfspec.predictor.simulate import expected_tokens
 
 
 @dataclass
@@ -296,21 +298,6 @@ class LayerSkipDrafter(Drafter):
         return d
 
 
-def lookup_continuation(tokens: list[int], max_ngram: int, k: int) -> list[int]:
-    """Up to k tokens that followed the most recent earlier occurrence of the longest suffix
-    n-gram (n <= max_ngram) of tokens; [] when no suffix n-gram occurred before."""
-    if k <= 0:
-        return []
-    for n in range(min(max_ngram, len(tokens) - 1), 0, -1):
-        suffix = tokens[-n:]
-        for start in range(len(tokens) - n - 1, -1, -1):  # most recent first
-            if tokens[start : start + n] == suffix:
-                cont = tokens[start + n : start + n + k]
-                if cont:
-                    return list(cont)
-    return []
-
-
 class PromptLookupDrafter(Drafter):
     """Copy the continuation of the longest n-gram (<= max_ngram) that already occurred in
     the context and ends with the current suffix. The draft is deterministic, i.e. a point
@@ -422,8 +409,6 @@ class AutoDrafter(Drafter):
             return self.base.prefill(ids, cache)
         # No profile: the prefill itself keeps the hidden states calibration scores, so
         # choosing a draft costs only a few head evaluations, not a second pass.
-        from selfspec.speedup import prefill_capturing
-
         logits, captured = prefill_capturing(self.rt, ids, cache, self.capture_exits)
         self.base, alpha = self.choose_base(ids.tolist(), captured)
         if alpha is not None:  # calibration measured acceptance: start from it, worth PRIOR_WEIGHT steps

@@ -21,6 +21,8 @@ from selfspec.config import DraftConfig, GenerationConfig, SamplingConfig
 from selfspec.drafters import Drafter, make_drafter
 from selfspec.engine import GenerationResult, StreamEvent, generate
 from selfspec.errors import SelfSpecError
+from selfspec.predictor.calibrate import AUTO_DRAFT_VOCAB, calibrate, calibration_exits
+from selfspec.predictor.costs import CostModel, load_costs, save_costs
 from selfspec.profiles import Profile, load_profile
 from selfspec.runtime import Runtime
 
@@ -198,12 +200,8 @@ class SelfSpecModel:
 
     def cost_model(self, draft_vocabs: tuple[int, ...] = ()):
         """Measured primitive costs of this model's runtime (speedup.py), cached per model."""
-        from selfspec.speedup import CostModel
-
         key = tuple(sorted(set(draft_vocabs)))
         if key not in self._costs:
-            from selfspec.speedup import load_costs, save_costs
-
             ident = self._cost_identity(key)
             costs = load_costs(ident)
             if costs is None:
@@ -239,7 +237,6 @@ class SelfSpecModel:
             base = self.drafter(base_cfg)
             costs = self.cost_model((base.cfg.draft_vocab,) if base.cfg.draft_vocab else ())
             return AutoDrafter(self.runtime, cfg, self.eos_token_ids, base=base, costs=costs)
-        from selfspec.speedup import AUTO_DRAFT_VOCAB, calibrate, calibration_exits
 
         n = cfg.draft_vocab
         if n is None and self.spec.vocab_size > 2 * AUTO_DRAFT_VOCAB and (self.tokenizer is not None or self._token_order is not None):

@@ -76,6 +76,14 @@ def _kernel_mm(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tenso
     return y if b is None else y + b
 
 
+def _nbytes(w) -> int:
+    """Bytes of a weight in any of its stored forms (tensor, PackedWeight, QuantizedWeight)."""
+    if isinstance(w, kernels.QuantizedWeight):
+        return w.nbytes
+    t = w.data if isinstance(w, kernels.PackedWeight) else w
+    return t.numel() * t.element_size()
+
+
 def quantize_columns(w: torch.Tensor, bits: int, group: int, chunk: int = 16384):
     """quantize(w) for a wide w [K, N] (an LM head), 16k columns at a time: the quantizers work
     per column, so this is the same result with a fraction of the temporary memory."""
@@ -119,6 +127,7 @@ class Runtime:
         self.head = kernels.pack_rows(rows) if self.uses_kernels else rows.t().contiguous()  # [H, V]
         self._rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._rope_len = 0
+        self._last_masks: tuple = (None, {})
         s = spec
         self._q, self._kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         self._act = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}[s.activation]
@@ -173,8 +182,7 @@ class Runtime:
 
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step reads (layers + LM head; the embedding is a gather)."""
-        tensors = [getattr(t, "data", t) for L in self.layers for t in L.values()] + [getattr(self.head, "data", self.head), self.final_norm]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(_nbytes(t) for L in self.layers for t in L.values()) + _nbytes(self.head) + _nbytes(self.final_norm)
 
     def quantized(self, bits: int, group: int = 32, head=None) -> "Runtime":
         """A drafting copy of this runtime whose matrices are `bits`-bit copies of its own
@@ -217,7 +225,8 @@ class Runtime:
         contiguous 64-column tiles, bf16 pairs for VDPBF16PS where the CPU has it)."""
         return kernels.pack(w) if self.uses_kernels else w
 
-    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The model family's RMSNorm in torch ops (the torch path; differentiable, for training)."""
         # Both families normalise in fp32; Llama multiplies by w after casting back, Gemma before
         # (its (1 + w) is folded into w at load time). F.rms_norm is one fused op per norm.
         eps = self.spec.rms_norm_eps
@@ -228,14 +237,14 @@ class Runtime:
     def _attention(self, i: int, x: torch.Tensor, pos: int, cache: KVCache, mask: torch.Tensor) -> torch.Tensor:
         s, L = self.spec, self.layers[i]
         T = x.shape[0]
-        qkv = self._mm(self._norm(x, L["attn_norm"]), L["wqkv"], L.get("bqkv"))
+        qkv = self._mm(self.rms_norm(x, L["attn_norm"]), L["wqkv"], L.get("bqkv"))
         q, k, v = qkv.split([self._q, self._kv, self._kv], dim=-1)
         q = q.view(T, s.num_heads, s.head_dim).transpose(0, 1)  # [nh, T, D]
         k = k.view(T, s.num_kv_heads, s.head_dim).transpose(0, 1)  # [nkv, T, D]
         v = v.view(T, s.num_kv_heads, s.head_dim).transpose(0, 1)
         if s.qk_norm:
-            q = self._norm(q, L["q_norm"])
-            k = self._norm(k, L["k_norm"])
+            q = self.rms_norm(q, L["q_norm"])
+            k = self.rms_norm(k, L["k_norm"])
         cos, sin = self._rope[s.rope_kinds[i]]
         cos, sin = cos[pos : pos + T], sin[pos : pos + T]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -252,7 +261,7 @@ class Runtime:
         out = out.reshape(s.num_heads, T, s.head_dim).transpose(0, 1).reshape(T, self._q)
         out = self._mm(out, L["wo"], L.get("bo"))
         if s.sandwich_norms:
-            out = self._norm(out, L["post_attn_norm"])
+            out = self.rms_norm(out, L["post_attn_norm"])
         return out
 
     def _bmm(self, a: torch.Tensor, b: torch.Tensor, min_rows: int) -> torch.Tensor:
@@ -263,15 +272,20 @@ class Runtime:
 
     def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         L = self.layers[i]
-        gu = self._mm(self._norm(x, L["mlp_norm"]), L["w_gate_up"], L.get("b_gate_up"))
+        gu = self._mm(self.rms_norm(x, L["mlp_norm"]), L["w_gate_up"], L.get("b_gate_up"))
         gate, up = gu.chunk(2, dim=-1)
         out = self._mm(self._act(gate) * up, L["w_down"], L.get("b_down"))
         if self.spec.sandwich_norms:
-            out = self._norm(out, L["post_mlp_norm"])
+            out = self.rms_norm(out, L["post_mlp_norm"])
         return out
 
     def masks(self, pos: int, t: int, cache: KVCache) -> dict[int | None, torch.Tensor]:
-        return {w: cache.mask(pos, t, w) for w in set(self.spec.sliding_windows)}
+        """Attention masks of the torch path for rows pos..pos+t-1, per window size; the last
+        ones are kept, so a caller timing layer by layer does not rebuild them every call."""
+        key = (id(cache), cache.capacity, pos, t)
+        if self._last_masks[0] != key:
+            self._last_masks = (key, {w: cache.mask(pos, t, w) for w in set(self.spec.sliding_windows)})
+        return self._last_masks[1]
 
     def run_layers(
         self,
@@ -282,31 +296,33 @@ class Runtime:
         cache: KVCache,
         skip_attn: frozenset[int] = frozenset(),
         skip_mlp: frozenset[int] = frozenset(),
-        masks: dict | None = None,
+        capture: dict[int, torch.Tensor | None] | None = None,
     ) -> torch.Tensor:
-        """h [T, H] holds positions pos..pos+T-1 at the input of layer `start`."""
-        if self.blocks is not None:
-            return self._run_fused(h, start, end, pos, cache, skip_attn, skip_mlp)
-        if masks is None:
+        """h [T, H] holds positions pos..pos+T-1 at the input of layer `start`; -> h after layer
+        end-1, KV written at pos..pos+T-1. `capture`: layer indices (its keys) whose input h is
+        wanted; each is filled with a copy [T, H] (the one layer loop every caller shares)."""
+        fused = self.blocks is not None
+        if fused:
+            h = h.contiguous().clone()  # updated in place below; callers keep their input
+            T, kinds = h.shape[0], self.spec.rope_kinds
+            rope = {k: (c[pos : pos + T], s[pos : pos + T]) for k, (c, s) in self._rope.items()}  # rows of these positions
+            threads = torch.get_num_threads()
+        else:
             masks = self.masks(pos, h.shape[0], cache)
         windows = self.spec.sliding_windows
         for i in range(start, end):
+            if capture is not None and i in capture:
+                capture[i] = h.clone()
             if i not in skip_attn:
-                h = h + self._attention(i, h, pos, cache, masks[windows[i]])
+                if fused:
+                    self.blocks.attention(i, h, pos, cache, windows[i], *rope[kinds[i]], threads)
+                else:
+                    h = h + self._attention(i, h, pos, cache, masks[windows[i]])
             if i not in skip_mlp:
-                h = h + self._mlp(i, h)
-        return h
-
-    def _run_fused(self, h, start, end, pos, cache, skip_attn, skip_mlp) -> torch.Tensor:
-        h = h.contiguous().clone()  # updated in place below; callers keep their input
-        T, windows, kinds = h.shape[0], self.spec.sliding_windows, self.spec.rope_kinds
-        rope = {k: (c[pos : pos + T], s[pos : pos + T]) for k, (c, s) in self._rope.items()}  # rows of these positions
-        threads = torch.get_num_threads()
-        for i in range(start, end):
-            if i not in skip_attn:
-                self.blocks.attention(i, h, pos, cache, windows[i], *rope[kinds[i]], threads)
-            if i not in skip_mlp:
-                self.blocks.mlp(i, h, threads)
+                if fused:
+                    self.blocks.mlp(i, h, threads)
+                else:
+                    h = h + self._mlp(i, h)
         return h
 
     def logits(self, h: torch.Tensor, head=None) -> torch.Tensor:
@@ -317,7 +333,7 @@ class Runtime:
             out = self._mm(kernels.norm_rows(h, self.final_norm, self.spec.rms_norm_eps), self.head if head is None else head)
             out = out.float()
             return kernels.softcap_(out, cap) if cap else out
-        x = self._norm(h, self.final_norm)
+        x = self.rms_norm(h, self.final_norm)
         out = self._mm(x, self.head if head is None else head).float()
         if cap:
             out = torch.tanh(out / cap) * cap

@@ -22,11 +22,13 @@ import selfspec
 from selfspec import kernels
 from selfspec.adapter import AdapterCache, AdapterMeta, ExitAdapter, load_adapter, save_adapter
 from selfspec.config import DraftConfig, SamplingConfig
-from selfspec.drafters import AutoDrafter, lookup_continuation
+from selfspec.drafters import AutoDrafter
+from selfspec.lookup import lookup_continuation
 from selfspec.errors import SelfSpecError
 from selfspec.profiles import Profile, load_profile, save_profile
-from selfspec.speedup import Calibration as Signal
-from selfspec.speedup import CostModel, expected_tokens, simulate
+from selfspec.predictor.costs import CostModel
+from selfspec.predictor.simulate import Agreement as Signal
+from selfspec.predictor.simulate import expected_tokens, simulate
 
 from helpers import ARCHS, VOCAB, build_hf, prompts, word_tokenizer
 from test_cli import ROOT, assert_user_error, run_cli

@@ -39,7 +39,9 @@ import torch
 
 from selfspec.config import DraftConfig
 from selfspec.errors import SelfSpecError
-from selfspec.speedup import CostModel, Prediction, simulate, simulate_lookup, teacher_forced
+from selfspec.predictor.calibrate import teacher_forced
+from selfspec.predictor.costs import CostModel
+from selfspec.predictor.simulate import Prediction, simulate, simulate_lookup
 
 STRATEGIES = ("early-exit", "layer-skip", "prompt-lookup", "exit-adapter")
 OBJECTIVES = ("predicted", "measured")

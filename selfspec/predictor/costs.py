@@ -1,0 +1,175 @@
+"""Measured costs of the runtime's primitives, from which the time of any drafting step is
+modelled (this is what makes a search trial cheap and auto's decisions arithmetic).
+
+`CostModel.measure` times one attention / MLP sub-layer and the LM head at each row count a
+step uses (ROWS) on a scratch cache; `t_draft` and `t_verify` of any strategy are sums of
+these parts. Measurements are kept on disk per machine/model/build identity (`load_costs` /
+`save_costs`), so auto's decisions, and with them how sampling consumes the RNG, are the same
+on every load on one machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from selfspec.config import MAX_SPECULATIONS, DraftConfig
+from selfspec.loading import cache_root
+from selfspec.profiles import atomic_write_text
+
+ROWS = (1, 2, 3, 5, 9, MAX_SPECULATIONS + 1)  # row counts timed; others interpolate
+FORMAT = "selfspec-costs/2"
+
+
+def _interp(table: dict[int, float], rows: int) -> float:
+    xs = sorted(table)
+    return float(np.interp(rows, xs, [table[x] for x in xs]))
+
+
+@dataclass
+class CostModel:
+    """Seconds for the runtime's primitives at each timed row count (ROWS)."""
+
+    num_layers: int
+    attn: dict[int, float]  # one attention sub-layer (norm, qkv, rope, cache write, attention, out)
+    mlp: dict[int, float]  # one MLP sub-layer
+    head: dict[int, float]  # final norm + full LM head
+    draft_heads: dict[int, float] = field(default_factory=dict)  # draft vocab N -> 1-row restricted head
+    embed: float = 0.0
+    step_overhead: float = 0.0  # per forward call beyond its parts (masks, Python), measured
+
+    @classmethod
+    def measure(cls, runtime, draft_vocabs: dict[int, object] | None = None, repeats: int = 5, layers: int = 3) -> "CostModel":
+        """Median of `repeats` timings per primitive, averaged over `layers` evenly spaced
+        layers. `draft_vocabs`: N -> prepared restricted head (runtime.prepare_weight)."""
+        clock = time.perf_counter
+        cache = runtime.new_cache(256)
+        L = runtime.num_layers
+        probe_layers = sorted({round(i * (L - 1) / max(layers - 1, 1)) for i in range(layers)})
+        all_layers = frozenset(range(L))
+        gen = torch.Generator().manual_seed(0)
+        H = runtime.spec.hidden_size
+
+        def timed(fn) -> float:
+            fn()  # warm-up
+            ts = []
+            for _ in range(repeats):
+                t0 = clock()
+                fn()
+                ts.append(clock() - t0)
+            return statistics.median(ts)
+
+        attn, mlp, head = {}, {}, {}
+        with torch.inference_mode():
+            for r in ROWS:
+                h = (torch.randn(r, H, generator=gen) * 0.1).to(runtime.device, runtime.dtype)
+                ta, tm = [], []
+                for i in probe_layers:
+                    ta.append(timed(lambda: runtime.run_layers(h, i, i + 1, 100, cache, frozenset(), all_layers)))
+                    tm.append(timed(lambda: runtime.run_layers(h, i, i + 1, 100, cache, all_layers, frozenset())))
+                attn[r], mlp[r] = statistics.mean(ta), statistics.mean(tm)
+                head[r] = timed(lambda: runtime.logits(h))
+            h1 = (torch.randn(1, H, generator=gen) * 0.1).to(runtime.device, runtime.dtype)
+            drafts = {n: timed(lambda w=w: runtime.logits(h1, head=w)) for n, w in (draft_vocabs or {}).items()}
+            ids = torch.tensor([1], device=runtime.device)
+            embed = timed(lambda: runtime.embed(ids))
+            # What a whole call costs beyond its parts (masks, Python per call): every
+            # draft token and every verify pass is one such call.
+            forward = timed(lambda: runtime.forward(ids, 100, cache))
+        # More rows never cost less; timing noise (and CPU row padding: 1 row runs as 2)
+        # must not make a longer verify look cheaper.
+        for table in (attn, mlp, head):
+            for a, b in zip(ROWS, ROWS[1:]):
+                table[b] = max(table[b], table[a])
+        overhead = max(0.0, forward - (embed + L * (attn[1] + mlp[1]) + head[1]))
+        return cls(L, attn, mlp, head, drafts, embed, overhead)
+
+    # -- composite costs ------------------------------------------------------------------
+
+    def layers(self, n: int, rows: int = 1) -> float:
+        return n * (_interp(self.attn, rows) + _interp(self.mlp, rows))
+
+    def draft_head(self, draft_vocab: int | None) -> float:
+        if draft_vocab is None or draft_vocab not in self.draft_heads:
+            return _interp(self.head, 1)
+        return self.draft_heads[draft_vocab]
+
+    @property
+    def ar_step(self) -> float:
+        return self.embed + self.layers(self.num_layers) + _interp(self.head, 1) + self.step_overhead
+
+    def verify(self, rows: int) -> float:
+        """Full model over `rows` positions (pending token + drafts)."""
+        return self.embed + self.layers(self.num_layers, rows) + _interp(self.head, rows) + self.step_overhead
+
+    def draft_token(self, cfg: DraftConfig, adapter_cost: float = 0.0) -> float:
+        """Seconds to draft one token with cfg."""
+        if cfg.strategy in ("early-exit", "exit-adapter"):
+            return self.embed + self.layers(cfg.exit_layer) + self.draft_head(cfg.draft_vocab) + adapter_cost + self.step_overhead
+        if cfg.strategy == "layer-skip":
+            n_attn = self.num_layers - len(cfg.skip_attn)
+            n_mlp = self.num_layers - len(cfg.skip_mlp)
+            return (self.embed + n_attn * _interp(self.attn, 1) + n_mlp * _interp(self.mlp, 1) + self.draft_head(cfg.draft_vocab)
+                    + self.step_overhead)
+        return 0.0  # prompt-lookup: a list scan, negligible next to a forward pass
+
+    def verify_step(self, cfg: DraftConfig, drafted: int, exit_cached: bool) -> float:
+        """Seconds to verify `drafted` tokens. Early exit reuses the draft's KV for layers < E
+        and the exit hidden states: layers E.. run over drafted + 1 rows, and only an input
+        the draft never ran (the last draft, when drafting ran to k) still goes through
+        layers < E (`exit_cached` False)."""
+        if cfg.strategy in ("early-exit", "exit-adapter") and (drafted > 0 or exit_cached):
+            E = cfg.exit_layer
+            first = 0.0 if exit_cached else self.embed + self.layers(E)
+            return first + self.layers(self.num_layers - E, drafted + 1) + _interp(self.head, drafted + 1) + self.step_overhead
+        return self.verify(drafted + 1)
+
+    def to_dict(self) -> dict:
+        """The one serialised form (the costs file and bench/search reports); ar_step_s is derived."""
+        return {
+            "num_layers": self.num_layers,
+            "attn_s": self.attn, "mlp_s": self.mlp, "head_s": self.head,
+            "draft_heads_s": self.draft_heads, "embed_s": self.embed, "call_overhead_s": self.step_overhead,
+            "ar_step_s": self.ar_step,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostModel":
+        table = lambda t: {int(k): float(v) for k, v in t.items()}  # noqa: E731
+        return cls(int(d["num_layers"]), table(d["attn_s"]), table(d["mlp_s"]), table(d["head_s"]),
+                   table(d["draft_heads_s"]), float(d["embed_s"]), float(d["call_overhead_s"]))
+
+
+def costs_path(identity: dict) -> Path:
+    """Where costs measured for `identity` are kept: $SELFSPEC_COSTS_DIR when set (the test
+    suite points it at a temporary directory, so no run sees another's timings), else
+    costs/ under the selfspec cache."""
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
+    return Path(os.environ.get("SELFSPEC_COSTS_DIR") or cache_root() / "costs") / f"{key}.json"
+
+
+def load_costs(identity: dict) -> CostModel | None:
+    """Costs measured earlier for exactly this identity (model, dtype, device, threads...)."""
+    try:
+        d = json.loads(costs_path(identity).read_text())
+        if d.get("format") != FORMAT or d.get("identity") != identity:
+            return None
+        return CostModel.from_dict(d["costs"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save_costs(identity: dict, costs: CostModel) -> None:
+    d = {"format": FORMAT, "identity": identity, "costs": costs.to_dict()}
+    try:
+        atomic_write_text(costs_path(identity), json.dumps(d, indent=1) + "\n")
+    except OSError:
+        pass  # a read-only cache only costs a re-measurement next time
