@@ -140,7 +140,9 @@ class SelfSpecModel:
             arg = text
         else:
             own = getattr(self.tokenizer, "chat_template", None) if self.tokenizer is not None else None
-            text, arg, builtin, source = (own if isinstance(own, str) else None), None, None, "the tokenizer's chat template"
+            if isinstance(own, dict):  # named templates (e.g. "default", "tool_use"): transformers picks the default
+                own = own.get("default") or next(iter(own.values()), None)
+            text, arg, builtin, source = own, None, None, "the tokenizer's chat template"
             if not own:
                 builtin = chat_templates.for_family(self.spec.model_type, self.tokenizer)
                 text = arg = chat_templates.BUILTIN[builtin] if builtin else None

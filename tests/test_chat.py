@@ -145,6 +145,12 @@ def test_no_template_and_no_family_template_is_a_clear_error(plain_dir, template
         selfspec.load(str(plain_dir), chat_template="chatm")
 
 
+def test_a_template_that_rejects_the_messages_is_one_line(plain_dir):
+    m = selfspec.load(str(plain_dir), dtype="float32", device="cpu", chat_template="gemma")
+    with pytest.raises(SelfSpecError, match="the chat template rejected the messages: Conversation roles must alternate"):
+        m.generate([{"role": "user", "content": "the cat"}, {"role": "user", "content": "the dog"}], chat=True)
+
+
 def test_an_explicit_template_overrides_the_tokenizers_own(tmp_path, template_file):
     d = tmp_path / "own"
     d.mkdir()

@@ -561,7 +561,8 @@ class _Server:
         try:
             return self.model.chat_ids(msgs)  # the model's template: its tokenizer's, --chat-template, or its family's
         except SelfSpecError as e:  # e.g. roles that do not alternate
-            raise _bad(f"{str(e)[0].upper()}{str(e)[1:]}.", param="messages", code="invalid_value") from None
+            msg = str(e)
+            raise _bad(f"{msg[:1].upper()}{msg[1:]}.", param="messages", code="invalid_value") from None
 
     # -- admission and the engine thread -------------------------------------------------
 
