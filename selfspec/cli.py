@@ -16,7 +16,7 @@ import typing
 from dataclasses import MISSING, fields
 
 from selfspec.config import STRATEGIES, DraftConfig, GenerationConfig, SamplingConfig
-from selfspec.errors import SelfSpecError
+from selfspec.errors import SelfSpecError, unknown_choice
 
 _HELP = {
     "strategy": "how to draft: " + ", ".join(STRATEGIES),
@@ -37,8 +37,45 @@ _HELP = {
     "seed": "random seed for sampling",
     "max_new_tokens": "the most tokens to generate",
     "stop": "stop string (repeatable)",
-    "chat": "apply the tokenizer's chat template",
+    "chat": "wrap the prompt as a user turn of the chat template (the tokenizer's, --chat-template, or the built-in "
+            "one of the model's family)",
 }
+
+
+class Parser(argparse.ArgumentParser):
+    """Usage mistakes are one line and exit status 2, like every other bad input (the full
+    usage is one --help away)."""
+
+    def error(self, message: str):
+        self.exit(2, f"selfspec: error: {message} (see: {self.prog} --help)\n")
+
+
+def choice(choices: typing.Sequence[str], what: str):
+    """An argparse type for a value among `choices` whose error names the closest one
+    (argparse's own `choices` prints every option, and on a mistyped one no suggestion)."""
+    def check(value: str) -> str:
+        if value not in choices:
+            raise argparse.ArgumentTypeError(unknown_choice(what, value, choices))
+        return value
+
+    check.__name__ = what
+    return check
+
+
+def format_default(value) -> str | None:
+    """A default as a user would type it ("3,5", "early-exit"); None when there is nothing to show."""
+    if value is None or value is MISSING or isinstance(value, bool):
+        return None
+    if isinstance(value, (tuple, list)):
+        return ",".join(map(str, value)) if value else None
+    return str(value)
+
+
+def with_default(help_: str, default) -> str:
+    shown = format_default(default)
+    if shown is None or "default" in help_:  # a help text may describe its default itself
+        return help_
+    return f"{help_} (default: {shown})".strip()
 
 
 def _flag_type(tp):
@@ -61,14 +98,13 @@ def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] 
         flag = "--" + f.name.replace("_", "-")
         tp = _flag_type(hints[f.name])
         default = None  # None = "not given": the dataclass (or a profile) supplies the default
-        shown = f.default if f.default is not MISSING else None
-        help_ = f"{helps.get(f.name, '')} (default: {shown})"
+        help_ = with_default(helps.get(f.name, ""), f.default)
         if tp is bool:
             parser.add_argument(flag, action="store_true", default=None, help=helps.get(f.name))
         elif f.name == "stop":
             parser.add_argument(flag, action="append", default=None, help=help_)
         elif f.name == "strategy":
-            parser.add_argument(flag, choices=STRATEGIES, default=default, help=help_)
+            parser.add_argument(flag, type=choice(STRATEGIES, "strategy"), default=default, help=help_)
         else:
             parser.add_argument(flag, type=tp, default=default, help=help_)
 
@@ -79,8 +115,17 @@ def config_kwargs(args, cls) -> dict:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="gemma-3-270m", help="alias, HF model directory, or .gguf file (default: gemma-3-270m)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: bfloat16 where supported")
+    p.add_argument("--dtype", type=choice(("float32", "bfloat16"), "dtype"), default=None,
+                   help="float32 or bfloat16 (default: bfloat16 where supported)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+
+
+def add_chat_template_arg(p: argparse.ArgumentParser) -> None:
+    from selfspec.chat_templates import names
+
+    p.add_argument("--chat-template", default=None, metavar="FILE|NAME",
+                   help="the chat template: a Jinja file or a built-in name (" + ", ".join(names()) + "); default: the "
+                        "tokenizer's own, else the built-in one of the model's family")
 
 
 def add_draft_args(p: argparse.ArgumentParser) -> None:
@@ -91,11 +136,43 @@ def add_draft_args(p: argparse.ArgumentParser) -> None:
 def load_model(args):
     import selfspec
 
-    return selfspec.load(args.model, dtype=args.dtype, device=args.device)
+    return selfspec.load(args.model, dtype=args.dtype, device=args.device, chat_template=getattr(args, "chat_template", None))
+
+
+def check_before_loading(args) -> None:
+    """What can be checked without the weights, checked before they load (a minute the first
+    time): the chat template, the draft options, and that they fit the model's shape, which
+    comes from its config."""
+    from selfspec.loading import peek_shape
+    from selfspec.profiles import load_profile
+
+    if getattr(args, "chat_template", None) is not None:
+        from selfspec.chat_templates import resolve
+
+        resolve(args.chat_template)
+    if not hasattr(args, "profile"):
+        return
+    given = config_kwargs(args, DraftConfig)
+    if args.profile is None:
+        draft = DraftConfig.from_dict(given)
+    else:
+        from selfspec.model import merge_profile_draft
+
+        draft = merge_profile_draft(load_profile(args.profile).draft, given.pop("strategy", None), given)
+    shape = peek_shape(args.model)
+    if shape is not None:
+        draft.check_model(*shape)
 
 
 def draft_config_from_args(model, args) -> DraftConfig:
-    return model.draft_config(profile=args.profile, **config_kwargs(args, DraftConfig))
+    draft = model.draft_config(profile=args.profile, **config_kwargs(args, DraftConfig))
+    if args.profile is not None:
+        from selfspec.profiles import load_profile, losing_note
+
+        note = losing_note(load_profile(args.profile))
+        if note:
+            print(f"selfspec: warning: {note}", file=sys.stderr)
+    return draft
 
 
 # ---- commands ---------------------------------------------------------------------------
@@ -107,6 +184,8 @@ def cmd_generate(args) -> int:
         raise SelfSpecError("the prompt is empty")
     sampling = SamplingConfig(**config_kwargs(args, SamplingConfig))  # validate before loading
     gen = GenerationConfig(**{k: (tuple(v) if k == "stop" else v) for k, v in config_kwargs(args, GenerationConfig).items()})
+    check_before_loading(args)
+    chat = bool(args.chat) or args.chat_template is not None  # naming a template asks for chat
     model = load_model(args)
     draft = draft_config_from_args(model, args)
     on_event = None
@@ -116,6 +195,10 @@ def cmd_generate(args) -> int:
 
         console = Console(highlight=False, soft_wrap=True)
         speculative = args.stream_style == "speculative"
+        if speculative:
+            Console(stderr=True, highlight=False).print(Text.assemble(
+                "[", ("green", "green"), ": drafted tokens the full model accepted; ", ("bold", "bold"),
+                ": tokens the full model computed itself]"), soft_wrap=True)
 
         def on_event(ev):
             if ev.text:
@@ -126,7 +209,7 @@ def cmd_generate(args) -> int:
         prompt,
         max_new_tokens=gen.max_new_tokens,
         stop=list(gen.stop),
-        chat=bool(args.chat),
+        chat=chat,
         temperature=sampling.temperature,
         top_k=sampling.top_k,
         top_p=sampling.top_p,
@@ -170,7 +253,7 @@ def cmd_models(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="selfspec", description="Lossless self-speculative decoding.")
+    parser = Parser(prog="selfspec", description="Lossless self-speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text (streams as it goes)")
@@ -178,10 +261,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(g)
     add_config_args(g, GenerationConfig)
     add_config_args(g, SamplingConfig)
+    add_chat_template_arg(g)
     add_draft_args(g)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
-    g.add_argument("--stream-style", choices=["plain", "speculative", "none"], default="plain",
-                   help="speculative: colour accepted drafts (green) apart from verifier tokens")
+    g.add_argument("--stream-style", type=choice(("plain", "speculative", "none"), "stream style"), default="plain",
+                   help="plain, speculative or none; speculative shows drafted tokens the full model accepted in green "
+                        "and the tokens it computed itself in bold (default: plain)")
     g.set_defaults(func=cmd_generate)
 
     m = sub.add_parser("models", help="list built-in aliases and supported architectures")

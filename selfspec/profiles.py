@@ -7,8 +7,9 @@ atomic (temporary file, then rename) so a crash never leaves half a profile.
 from __future__ import annotations
 
 import json
+import logging
 import os
-import tempfile
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,10 +37,13 @@ class Profile:
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write to a temporary file beside `path`, then rename: readers never see half a file."""
+    """Write to a temporary file beside `path`, then rename: readers never see half a file.
+    The file gets the mode any new file gets (0666 less the umask, so 0644 usually), not
+    mkstemp's private 0600: these are results and profiles, meant to be shared and served."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -81,7 +85,46 @@ def load_profile(path: str | os.PathLike, fingerprint: str | None = None) -> Pro
     return Profile(draft, d.get("model_fingerprint", ""), d.get("model_name", ""), d.get("metrics", {}))
 
 
+# ---- profiles that lose -------------------------------------------------------------------
+# A tool that measured its best setting slower than plain decoding still writes it (it is a
+# result), marked `slower_than_autoregressive`; auto never adopts such a profile and
+# `install` refuses it. Profiles written before the mark are judged by their measured speedup.
+
+
+def measured_speedup(profile: Profile) -> float | None:
+    """The speedup over autoregressive decoding its maker measured (None: not measured)."""
+    m = profile.metrics or {}
+    for key in ("speedup_vs_autoregressive", "measured_speedup"):
+        if isinstance(m.get(key), (int, float)):
+            return float(m[key])
+    if m.get("source") == "selfspec sweep" and isinstance(m.get("speedup"), (int, float)):
+        return float(m["speedup"])
+    return None
+
+
+def loses(profile: Profile) -> bool:
+    """Whether the profile was measured slower than autoregressive decoding."""
+    flag = (profile.metrics or {}).get("slower_than_autoregressive")
+    if isinstance(flag, bool):
+        return flag
+    x = measured_speedup(profile)
+    return x is not None and x < 1.0
+
+
+def losing_note(profile: Profile) -> str | None:
+    """One line saying that the profile loses to plain decoding, or None."""
+    if not loses(profile):
+        return None
+    x = measured_speedup(profile)
+    how = f"measured {x:.2f}x of autoregressive speed" if x is not None else "measured slower than autoregressive"
+    src = (profile.metrics or {}).get("source")
+    return (f"this profile ({profile.draft.strategy}) {how}{f' by {src}' if src else ''}: it is SLOWER than plain decoding; "
+            "--strategy auto will not adopt it as the model's profile")
+
+
 PACKAGED = Path(__file__).parent / "data" / "profiles"  # searched profiles shipped with selfspec
+_log = logging.getLogger("selfspec")
+_skipped: set[str] = set()  # losing installed profiles already reported
 
 
 def user_profile_dir() -> Path:
@@ -99,12 +142,22 @@ def installed_profile(fingerprint: str) -> Profile | None:
                 prof = load_profile(path)
             except SelfSpecError:
                 continue
-            if prof.model_fingerprint == fingerprint:
-                return prof
+            if prof.model_fingerprint != fingerprint:
+                continue
+            if loses(prof):
+                if str(path) not in _skipped:
+                    _skipped.add(str(path))
+                    _log.warning(f"selfspec: warning: auto ignores the installed profile {path}: {losing_note(prof)}")
+                continue
+            return prof
     return None
 
 
 def install_profile(profile: Profile) -> Path:
+    """Make `profile` the one `--strategy auto` uses for its model. A profile measured slower
+    than plain decoding is refused."""
+    if loses(profile):
+        raise SelfSpecError(f"not installed: {losing_note(profile)}")
     path = user_profile_dir() / f"{profile.model_fingerprint}.json"
     save_profile(profile, path)
     return path

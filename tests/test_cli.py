@@ -223,3 +223,92 @@ def test_argparse_errors_exit_2(model_dir):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     r = run_cli("generate", "hello", "--model", str(model_dir), "--temperature", "hot")
     assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+# ---- the first hour: sharper errors, honest help (issue 19) -------------------------------------
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "correctness", "serve"])
+def test_strategy_typo_is_one_line_with_a_suggestion(model_dir, command):
+    args = [command] + (["hello"] if command == "generate" else []) + ["--model", str(model_dir), "--strategy", "erly-exit"]
+    line = assert_user_error(run_cli(*args), "unknown strategy 'erly-exit'", "did you mean early-exit?")
+    assert "usage:" not in line
+
+
+def test_other_choices_and_training_choices_suggest_too(model_dir):
+    assert_user_error(run_cli("generate", "hi", "--model", str(model_dir), "--stream-style", "speculatve"), "did you mean speculative?")
+    assert_user_error(run_cli("sweep", "--model", str(model_dir), "--strategy", "layer-skp"), "did you mean layer-skip?")
+    assert_user_error(run_cli("train", "--recipe", "layerskp"), "did you mean layerskip?")
+    assert_user_error(run_cli("generate", "hi", "--model", str(model_dir), "--dtype", "bf16x"), "unknown dtype")
+    assert_user_error(run_cli("generate", "--model", str(model_dir)), "required", "prompt")  # argparse's own errors: one line too
+
+
+def test_exit_layer_is_checked_before_the_weights_load(tmp_path, model_dir):
+    """The layer count comes from config.json: weights that would fail to load are never read."""
+    d = tmp_path / "bad-weights"
+    d.mkdir()
+    for f in model_dir.iterdir():
+        (d / f.name).write_bytes(b"\x00" * 7 if f.name == "model.safetensors" else f.read_bytes())
+    assert_user_error(gen(d, "hello", "--strategy", "early-exit", "--exit-layer", "99"), "exit layer must be in 1..3", "got 99")
+    assert_user_error(gen(d, "hello", "--strategy", "layer-skip", "--skip-mlp", "7"), "layers [7]")
+    assert_user_error(gen(d, "hello", "--exit-layer", "2"), "exit_layer is not used by the auto strategy")
+    r = run_cli("bench", "--model", str(d), "--strategy", "early-exit", "--exit-layer", "99", "--out", str(tmp_path / "b.json"))
+    assert_user_error(r, "exit layer")
+    r = run_cli("sweep", "--model", str(d), "--exit-layers", "2:40", "--out-dir", str(tmp_path / "s"))
+    assert_user_error(r, "outside 1..3")
+
+
+def test_exit_layer_of_the_default_model_is_checked_without_converting_it(tmp_path):
+    env_cache = tmp_path / "cache"  # empty: converting the default model would take a minute
+    env = dict(os.environ, SELFSPEC_CACHE=str(env_cache), OMP_NUM_THREADS="1")
+    env.pop("SELFSPEC_DEBUG", None)
+    r = subprocess.run([sys.executable, "-m", "selfspec", "generate", "hi", "--strategy", "early-exit", "--exit-layer", "99"],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert_user_error(r, "exit layer must be in 1..17 for this 18-layer model")
+    assert not (env_cache / "gemma-3-270m").exists()
+
+
+def test_a_missing_dataset_file_is_not_an_unknown_dataset(model_dir, tmp_path):
+    r = run_cli("bench", "--model", str(model_dir), "--dataset", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "b.json"))
+    line = assert_user_error(r, "dataset file not found", "missing.jsonl")
+    assert "unknown dataset" not in line
+    assert_user_error(run_cli("bench", "--model", str(model_dir), "--dataset", "cod"), "unknown dataset 'cod'", "did you mean code?")
+
+
+def _help_texts() -> dict[str, str]:
+    commands = ["generate", "bench", "sweep", "correctness", "report", "serve", "train", "search", "models"]
+    return {c: run_cli(c, "--help").stdout for c in commands}
+
+
+def test_help_shows_defaults_as_typed():
+    import re
+
+    for command, text in _help_texts().items():
+        flat = " ".join(text.split())
+        assert "(default: None)" not in flat, command
+        assert "(default: ())" not in flat and "(default: [])" not in flat and "(default: (" not in flat, command
+        assert not re.search(r"\(default: [^)]*\) \(default:", flat), command
+        assert "(default: [" not in flat, command
+    search = " ".join(_help_texts()["search"].split())
+    assert "(default: 8192,16384,32768)" in search and "(default: early-exit,layer-skip,prompt-lookup)" in search
+
+
+def test_speculative_stream_says_what_green_means(model_dir):
+    r = gen(model_dir, "hello world", "--max-new-tokens", "6", "--strategy", "early-exit", "--exit-layer", "2",
+            "--stream-style", "speculative")
+    assert r.returncode == 0, r.stderr
+    legend = [line for line in r.stderr.splitlines() if "green" in line]
+    assert len(legend) == 1 and "accepted" in legend[0] and "bold" in legend[0]
+    plain = gen(model_dir, "hello world", "--max-new-tokens", "6")
+    assert "green" not in plain.stderr
+
+
+def test_a_losing_profile_is_used_when_named_but_says_so(tmp_path, model_dir):
+    fp = selfspec.load(str(model_dir), dtype="float32").fingerprint
+    path = tmp_path / "slow.json"
+    save_profile(Profile(DraftConfig(strategy="early-exit", exit_layer=2), fp,
+                         metrics={"speedup": 0.83, "source": "selfspec sweep", "slower_than_autoregressive": True}), path)
+    r = gen(model_dir, "hello world", "--profile", str(path), "--json", "--max-new-tokens", "4")
+    assert r.returncode == 0, r.stderr
+    warn = [line for line in r.stderr.splitlines() if "warning" in line]
+    assert len(warn) == 1 and "SLOWER" in warn[0] and "0.83x" in warn[0]

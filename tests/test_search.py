@@ -535,3 +535,54 @@ def test_sweep_and_bench_take_an_exit_adapter(search_model_dir, tmp_path):
                 "--out", str(tmp_path / "b.json"))
     assert b.returncode == 0, b.stderr
     assert_user_error(run_cli("sweep", "--model", str(search_model_dir), "--strategy", "exit-adapter"), "--adapter")
+
+
+def test_a_search_whose_winner_loses_says_so_and_refuses_to_install(search_model_dir, tmp_path, monkeypatch, capsys):
+    """Issue 19: the confirmation measured the winner slower than plain decoding."""
+    from selfspec import profiles
+    from selfspec import search as S
+    from selfspec.cli import main
+
+    real = S.measure
+
+    def slow(model, cfg, prompts, max_new_tokens, repeats=1):
+        m = real(model, cfg, prompts, max_new_tokens, repeats)
+        return {**m, "measured_speedup": 0.62}  # the outputs are still compared for real
+
+    monkeypatch.setattr(S, "measure", slow)
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "s"
+    rc = main(["search", "--model", str(search_model_dir), "--num-samples", "1", "--max-new-tokens", "8", "--dataset", "code",
+               "--n-trials", "3", "--out-dir", str(out), "--install"])
+    cap = capsys.readouterr()
+    assert rc == 2 and cap.err.strip().splitlines()[-1].startswith("selfspec: error: not installed")
+    assert "SLOWER than autoregressive decoding (measured 0.62x)" in " ".join(cap.err.split())
+    prof = load_profile(out / "profile.json")
+    assert prof.metrics["slower_than_autoregressive"] is True and prof.metrics["speedup_vs_autoregressive"] == 0.62
+    assert profiles.installed_profile(prof.model_fingerprint) is None
+    assert (out / "history.png").stat().st_size > 1000 and (out / "search.json").exists()
+
+
+def test_history_plot_names_its_objective_and_shows_the_measured_winner(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    from selfspec import search as S
+
+    optuna = S._optuna()
+    study = optuna.create_study(direction="maximize")
+    for i, v in enumerate([0.6, 1.3, 0.9]):
+        t = optuna.trial.create_trial(value=v, params={}, distributions={},
+                                      user_attrs={"draft": DraftConfig("prompt-lookup", num_speculations=i + 1).to_dict()})
+        study.add_trial(t)
+    labels: dict[str, list[str]] = {"ylabel": [], "scatter": []}
+    real_ylabel, real_scatter = matplotlib.axes.Axes.set_ylabel, matplotlib.axes.Axes.scatter
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_ylabel", lambda self, text, *a, **k: labels["ylabel"].append(text) or real_ylabel(self, text, *a, **k))
+    monkeypatch.setattr(matplotlib.axes.Axes, "scatter", lambda self, *a, **k: labels["scatter"].append(k.get("label", "")) or real_scatter(self, *a, **k))
+    S.plot_history(study, tmp_path / "h.png", "t", "predicted",
+                   {"number": 1, "predicted_speedup": 1.3, "measured_speedup": 1.05})
+    assert labels["ylabel"][-1].startswith("predicted speedup")
+    assert any("measured against plain decoding: 1.05x" in lab for lab in labels["scatter"])
+    assert any("(predicted)" in lab for lab in labels["scatter"])
+    S.plot_history(study, tmp_path / "m.png", "t", "measured")
+    assert labels["ylabel"][-1].startswith("measured speedup")
+    assert (tmp_path / "h.png").stat().st_size > 1000 and (tmp_path / "m.png").stat().st_size > 1000

@@ -336,3 +336,160 @@ def test_user_errors_are_one_line(tiny_model_dir, tmp_path, capsys):
     assert main(["report", str(tmp_path / "missing.json")]) == 2
     (tmp_path / "other.json").write_text('{"hello": 1}')
     assert main(["report", str(tmp_path / "other.json")]) == 2
+
+
+# ---- the first hour: a terminal-sized report, file modes, results that lose (issue 19) ------------
+
+
+@pytest.fixture(scope="module")
+def results_files(tiny_model_dir, tmp_path_factory):
+    """A bench and a sweep over eight K (a grid far wider than 80 columns)."""
+    d = tmp_path_factory.mktemp("results")
+    assert main(["bench", *_model_args(tiny_model_dir), "--strategy", "prompt-lookup", "--dataset", "code", "--num-samples", "2",
+                 "--max-new-tokens", "6", "--warmup", "0", "--out", str(d / "bench.json"), "--no-progress"]) == 0
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["sweep", *_model_args(tiny_model_dir), "--exit-layers", "1:2", "--num-speculations", "1:8", "--dataset", "code",
+                     "--num-samples", "1", "--max-new-tokens", "4", "--warmup", "0", "--out-dir", str(d / "sweep") + "/",
+                     "--no-progress"]) == 0
+    (d / "sweep-stderr.txt").write_text(err.getvalue())
+    return d / "bench.json", d / "sweep" / "sweep.json"
+
+
+def _render(paths, out_dir, width: int) -> str:
+    import io
+
+    from rich.console import Console
+
+    from selfspec.tools.report import report
+
+    console = Console(width=width, file=io.StringIO(), record=True)
+    report([str(p) for p in paths], out_dir, console=console)
+    return console.export_text()
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_report_fits_the_terminal_without_breaking_words(results_files, tmp_path, width):
+    from selfspec.tools.report import bench_rows, load_results, run_labels, sweep_rows
+
+    bench, sweep = results_files
+    text = _render([bench, bench, sweep], tmp_path / "rep", width)
+    lines = [line for line in text.splitlines() if not line.startswith("wrote ")]  # paths are never wrapped
+    assert max(len(line) for line in lines) <= width, "\n".join(lines)
+    flat = " ".join(text.split())
+    b = [load_results(bench)] * 2
+    head, rows = bench_rows(b, run_labels(b, ["x", "y"]))
+    note = f"not shown at {width} columns: "
+    missing = flat.split(note, 1)[1].split(" (in index.html)")[0].split(", ") if note in flat else []
+    assert set(missing) <= set(head)
+    shown = [i for i, h in enumerate(head) if h not in missing]
+    assert {"speedup", "spec tok/s", "acceptance"} <= {head[i] for i in shown}
+    for i in shown[1:]:  # every shown cell word whole on one line (the run column holds "#1", "#2")
+        assert all(w in text for w in head[i].split())
+        for row in rows:
+            for word in row[i].split():
+                assert any(word in line for line in lines), (head[i], word)
+    for row in sweep_rows(load_results(sweep))[1]:  # every sweep cell, whole
+        for cell in row[1:]:
+            assert any(cell in line for line in lines), cell
+    assert "#1 prompt-lookup" in text  # the runs' labels above the table
+
+
+def test_report_files_are_readable_by_others_and_explained(results_files, tmp_path):
+    import os
+
+    bench, sweep = results_files
+    old = os.umask(0o022)
+    try:
+        _render([bench, sweep], tmp_path / "rep", 80)
+    finally:
+        os.umask(old)
+    files = list((tmp_path / "rep").iterdir())
+    assert {f.name for f in files} >= {"index.html", "bench_speedup.png", "sweep_heatmap.png"}
+    for f in files:
+        assert f.stat().st_mode & 0o777 == 0o644, (f.name, oct(f.stat().st_mode))
+    page = (tmp_path / "rep" / "index.html").read_text()
+    import html
+
+    from selfspec.tools.report import BENCH_COLUMNS, CHARTS
+
+    for explanation in list(BENCH_COLUMNS.values()) + [CHARTS["bench_speedup"], CHARTS["heatmap"]]:
+        assert html.escape(explanation) in page, explanation
+    assert "white-space:nowrap" in page and "<figcaption>" in page  # labels on one line, charts explained
+
+
+def test_atomic_writes_get_the_usual_mode(tmp_path):
+    import os
+
+    from selfspec.profiles import atomic_write_text
+
+    old = os.umask(0o022)
+    try:
+        atomic_write_text(tmp_path / "a.json", "{}")
+        os.umask(0o077)
+        atomic_write_text(tmp_path / "b.json", "{}")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "b.json").stat().st_mode & 0o777 == 0o600  # the user's umask decides, as for any new file
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary left behind
+
+
+def test_sweep_prints_clean_paths(results_files):
+    _, sweep = results_files
+    err = (sweep.parent.parent / "sweep-stderr.txt").read_text()  # the fixture passed --out-dir ending with "/"
+    assert f"wrote {sweep}, sweep.csv, sweep_heatmap.png" in err and "//" not in err
+
+
+def test_a_sweep_whose_best_setting_loses_says_so_and_auto_never_adopts_it(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    from selfspec import profiles
+    from selfspec.tools import sweep as sweep_mod
+
+    real = sweep_mod.cell_summary
+
+    def slower(cell, baseline_runs):  # every setting measured at 0.8x of plain decoding (timing is not under test here)
+        s = real(cell, baseline_runs)
+        if s["speedup"] is not None:
+            s["speedup"] = 0.8 - 0.01 * cell["draft"]["num_speculations"]
+        return s
+
+    monkeypatch.setattr(sweep_mod, "cell_summary", slower)
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "sweep"
+    assert main(["sweep", *_model_args(tiny_model_dir), "--exit-layers", "2", "--num-speculations", "1:2", "--dataset", "code",
+                 "--num-samples", "1", "--max-new-tokens", "4", "--warmup", "0", "--out-dir", str(out), "--no-progress"]) == 0
+    cap = capsys.readouterr()
+    assert "SLOWER than autoregressive" in cap.err and "x0.79" in cap.err
+    assert "WARNING" in " ".join(cap.out.split())  # the table's caption too
+    d = _strict_json(out / "sweep.json")
+    assert d["best"]["slower_than_autoregressive"] is True
+    prof = load_profile(out / "best_profile.json")
+    assert prof.metrics["slower_than_autoregressive"] is True and prof.metrics["speedup_vs_autoregressive"] == pytest.approx(0.79)
+    assert profiles.loses(prof) and "SLOWER" in profiles.losing_note(prof)
+    with pytest.raises(SelfSpecError, match="not installed.*SLOWER"):
+        profiles.install_profile(prof)
+    # even copied into the install directory by hand, auto passes it over
+    profiles.user_profile_dir().mkdir(parents=True)
+    (profiles.user_profile_dir() / f"{prof.model_fingerprint}.json").write_text((out / "best_profile.json").read_text())
+    assert profiles.installed_profile(prof.model_fingerprint) is None
+    m = selfspec.load(str(tiny_model_dir), dtype="float32", device="cpu")
+    assert m.drafter(selfspec.DraftConfig("auto")).base is None  # calibration, not the losing profile
+    # a winning profile is still installed and adopted
+    win = profiles.Profile(prof.draft, prof.model_fingerprint, metrics={**prof.metrics, "slower_than_autoregressive": False,
+                                                                       "speedup_vs_autoregressive": 1.2})
+    profiles.install_profile(win)
+    assert profiles.installed_profile(prof.model_fingerprint).draft == prof.draft
+
+
+def test_old_profiles_are_judged_by_their_measured_speedup():
+    from selfspec.profiles import Profile, loses
+
+    d = selfspec.DraftConfig("prompt-lookup")
+    assert loses(Profile(d, "f", metrics={"measured_speedup": 0.9}))
+    assert loses(Profile(d, "f", metrics={"speedup": 0.83, "source": "selfspec sweep"}))
+    assert not loses(Profile(d, "f", metrics={"measured_speedup": 1.34, "predicted_speedup": 1.44}))
+    assert not loses(Profile(d, "f", metrics={"exit_agreement": 0.5}))  # training metrics: nothing measured
+    assert not loses(Profile(d, "f"))

@@ -620,3 +620,88 @@ def test_distillation_targets_and_kl_are_the_formulas():
     assert distill_kl(teacher, ids, p, 2.0).abs().max() < 1e-6  # the draft equal to the teacher: no loss
     p3, ids3 = teacher_targets(teacher, 1.0, 3)
     assert torch.equal(ids3, teacher.topk(3, dim=-1).indices) and torch.allclose(p3.sum(-1), torch.ones(5))
+
+
+# ---- the first hour: resuming with a new budget, a caveat on degenerate agreement (issue 19) -------
+
+
+def test_a_new_max_steps_replans_the_learning_rate_without_a_jump():
+    peak, floor = 1e-3, 1e-4
+
+    def lrs(start, stop, total, replan, warmup=2):
+        return [schedules.lr_at(s, peak, warmup, total, 0.1, replan) for s in range(start, stop)]
+
+    # the issue's case: a finished 20-step run extended to 40 stays at the floor it reached
+    replan, msg = schedules.replan_on_resume(20, peak, 2, 0.1, 20, 40, None)
+    assert lrs(20, 41, 40, replan) == pytest.approx([floor] * 21) and "floor" in msg and "20 -> 40" in msg
+    # stopped at step 10 of 40, shortened to 20: from the rate step 10 had, down to the floor at 20
+    replan, msg = schedules.replan_on_resume(10, peak, 2, 0.1, 40, 20, None)
+    new = lrs(10, 21, 20, replan)
+    assert new[0] == schedules.lr_at(10, peak, 2, 40, 0.1) and new[-1] == pytest.approx(floor)
+    assert all(a > b for a, b in zip(new, new[1:])) and "re-planned from" in msg and "step 20" in msg
+    # extended mid-run, then changed again: continuous at each change, never rising
+    r1, _ = schedules.replan_on_resume(10, peak, 2, 0.1, 20, 40, None)
+    r2, _ = schedules.replan_on_resume(25, peak, 2, 0.1, 40, 30, r1)
+    path = lrs(2, 10, 20, None) + lrs(10, 25, 40, r1) + lrs(25, 31, 30, r2)
+    assert all(a >= b for a, b in zip(path, path[1:])) and path[-1] == pytest.approx(floor)
+    # during the warm-up nothing is re-planned: the warm-up ends, the cosine reaches the new horizon
+    assert schedules.replan_on_resume(1, peak, 4, 0.1, 10, 20, None)[0] is None
+    assert "warm-up continues" in schedules.replan_on_resume(1, peak, 4, 0.1, 10, 20, None)[1]
+    # the same budget: nothing changes, nothing to say
+    assert schedules.replan_on_resume(10, peak, 2, 0.1, 40, 40, r1) == (r1, None)
+
+
+def _lrs(out: Path) -> dict[int, float]:
+    return {r["step"]: r["lr"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "lr" in r}
+
+
+def test_resume_with_a_longer_budget_keeps_the_learning_rate_smooth(tmp_path, text_dir):
+    out = tmp_path / "run"
+    train(_cfg(out, text_dir, max_steps=4), log=_quiet)
+    said: list[str] = []
+    cfg = _cfg(out, text_dir, max_steps=4)
+    train(replace(cfg, resume=True, loop=replace(cfg.loop, max_steps=8)), log=said.append)
+    lr = _lrs(out)
+    assert sorted(lr) == list(range(1, 9))
+    assert all(lr[s] <= lr[4] * (1 + 1e-12) for s in range(5, 9))  # the issue: 1.06e-4 at step 20 -> 3.39e-4 at step 21
+    assert any("--max-steps 4 -> 8" in m and "floor" in m for m in said), said
+
+
+def test_resume_with_a_shorter_budget_anneals_from_the_current_rate(tmp_path, text_dir):
+    import signal
+
+    def press_ctrl_c(step, rec):
+        if step == 2:
+            signal.raise_signal(signal.SIGINT)
+
+    out = tmp_path / "run"
+    cfg = _cfg(out, text_dir, max_steps=8, checkpoint_every=10)
+    assert train(cfg, log=_quiet, on_step=press_ctrl_c).loop.step == 2
+    said: list[str] = []
+    train(replace(cfg, resume=True, loop=replace(cfg.loop, max_steps=4)), log=said.append)
+    lr, loop = _lrs(out), cfg.resolved().loop
+    assert lr[3] == schedules.lr_at(2, loop.lr, loop.warmup_steps, 8, loop.min_lr_ratio)  # no jump
+    assert lr[4] < lr[3]
+    assert any("re-planned from" in m and "curricula keep their horizon (step 8)" in m for m in said), said
+
+
+def test_agreement_with_a_degenerate_last_layer_carries_a_caveat(monkeypatch):
+    from selfspec.training.layerskip import degenerate_caveat
+
+    assert degenerate_caveat({"final_top_token_share": 0.2, "final_distinct_tokens": 40}) is None
+    assert "one token at 97%" in degenerate_caveat({"final_top_token_share": 0.97, "final_distinct_tokens": 2})
+    task, model, _ = _task()
+    ev = task.evaluate(4)
+    assert 0 < ev["final_top_token_share"] <= 1 and ev["final_distinct_tokens"] >= 1
+    V = model.config.vocab_size
+
+    def one_token(h, vocab=None):  # a 20-step model: the same prediction everywhere
+        out = torch.zeros(*h.shape[:-1], V)
+        out[..., 5] = 1.0
+        return out
+
+    monkeypatch.setattr(task.dec, "logits", one_token)
+    ev = task.evaluate(4)
+    assert ev["exit_agreement"] == pytest.approx([1.0] * task.L)
+    assert ev["final_top_token_share"] == 1.0 and ev["final_distinct_tokens"] == 1
+    assert "caveat" in ev and "caveat: the last layer predicts one token at 100%" in task.summary(ev)

@@ -139,14 +139,18 @@ def cmd_search(args) -> int:
             raise SelfSpecError("the winner's output differs from plain decoding: please report this bug")
     metrics.update(costs=costs.to_dict(), storage=storage, study_name=study_name, n_trials=len(S.trial_rows(study)),
                    calibration={"dataset": cfg.dataset, "num_samples": cfg.num_samples, "max_new_tokens": cfg.max_new_tokens})
+    # The measurement decides when there is one; else the prediction. auto and install read the mark.
+    speed = metrics.get("measured_speedup", metrics.get("predicted_speedup", metrics.get("value")))
+    if "measured_speedup" in metrics:
+        metrics["speedup_vs_autoregressive"] = metrics["measured_speedup"]
+    metrics["slower_than_autoregressive"] = speed is not None and speed < 1.0
     profile = Profile(best, model.fingerprint, model.name, S.json_safe(metrics))
     save_profile(profile, out_dir / "profile.json")
-    S.plot_history(study, out_dir / "history.png", f"draft search: {model.name or args.model}")
+    S.plot_history(study, out_dir / "history.png", f"draft search: {model.name or args.model}", cfg.objective,
+                   metrics if "measured_speedup" in metrics else None)
     summary = S.json_safe({"best": best.to_dict(), "metrics": metrics, "best_per_strategy": S.summary(study),
                            "trials": S.trial_rows(study), "interrupted": interrupted})
     atomic_write_text(out_dir / "search.json", json.dumps(summary, indent=2) + "\n")
-    if args.install:
-        log(f"installed for --strategy auto: {install_profile(profile)}")
 
     from rich.table import Table
 
@@ -160,4 +164,13 @@ def cmd_search(args) -> int:
         print(f"winner {S._label(best)}: predicted {metrics.get('predicted_speedup', 0):.3f}x, measured "
               f"{metrics['measured_speedup']:.3f}x, identical output: {metrics['identical_to_autoregressive']}")
     print(f"wrote {out_dir / 'profile.json'}, {out_dir / 'history.png'}, {out_dir / 'search.json'}", file=sys.stderr)
+    if metrics["slower_than_autoregressive"]:
+        from selfspec.tools.cli import _loud
+
+        how = "measured" if "measured_speedup" in metrics else "predicted"
+        _loud(f"WARNING: the best setting found is SLOWER than autoregressive decoding ({how} {speed:.2f}x): no draft "
+              "configuration searched pays off on this model and machine. profile.json is marked as losing: "
+              "--strategy auto and --install will not adopt it.")
+    if args.install:
+        log(f"installed for --strategy auto: {install_profile(profile)}")  # refuses a losing profile (exit 2)
     return INTERRUPTED if interrupted else 0

@@ -555,16 +555,14 @@ class _Server:
             msgs.append({"role": "system" if role == "developer" else role, "content": content})
         if not any(m["content"].strip() for m in msgs):
             raise _bad("The messages are empty.", param="messages", code="empty_prompt")
-        tok = self.model.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise _bad("This model's tokenizer has no chat template: use /v1/completions.", param="messages", code="unsupported_parameter")
+        if self.model.tokenizer is None or not self.model.chat_template:
+            raise _bad("This model has no chat template (start the server with --chat-template FILE|NAME): use /v1/completions.",
+                       param="messages", code="unsupported_parameter")
         try:
-            ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        except Exception as e:  # jinja raises for e.g. roles that do not alternate
-            raise _bad(f"The chat template rejected the messages: {e}", param="messages", code="invalid_value") from None
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+            return self.model.chat_ids(msgs)  # the model's template: its tokenizer's, --chat-template, or its family's
+        except SelfSpecError as e:  # e.g. roles that do not alternate
+            msg = str(e)
+            raise _bad(f"{msg[:1].upper()}{msg[1:]}.", param="messages", code="invalid_value") from None
 
     # -- admission and the engine thread -------------------------------------------------
 

@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from selfspec.cli import add_draft_args, add_model_args, draft_config_from_args, load_model
+from selfspec.cli import add_chat_template_arg, add_draft_args, add_model_args, check_before_loading, choice, draft_config_from_args, load_model
 from selfspec.config import MAX_SPECULATIONS, STRATEGIES
 from selfspec.errors import SelfSpecError
 
@@ -23,6 +23,7 @@ def register(subparsers) -> None:
         description="Serve one model over an OpenAI-compatible HTTP API, decoding with self-speculation.",
     )
     add_model_args(p)
+    add_chat_template_arg(p)
     add_draft_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
@@ -46,7 +47,8 @@ def register(subparsers) -> None:
                    help="torch CPU threads for the engine (default: torch's choice; 1 is often faster for small models "
                         "on a busy machine)")
     p.add_argument("--no-warmup", action="store_true", help="skip the one-token warm-up generation at start")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", type=choice(("debug", "info", "warning", "error"), "log level"),
+                   help="debug, info, warning or error (default: %(default)s)")
     p.add_argument("--ray", action="store_true", help="run on Ray Serve: --replicas copies of the model behind one endpoint")
     p.add_argument("--replicas", type=int, default=1, help="with --ray: number of replicas (default: %(default)s)")
     p.add_argument("--ray-address", default=None,
@@ -110,6 +112,7 @@ def cmd_serve(args) -> int:
     if args.replicas < 1:
         raise SelfSpecError(f"--replicas must be >= 1, got {args.replicas}")
     settings = settings_from_args(args)  # validate before loading anything
+    check_before_loading(args)
     _check_deps(args.ray)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if args.ray:
@@ -131,7 +134,8 @@ def cmd_serve(args) -> int:
     if not args.no_warmup:
         warmup(model, draft)
     app = create_app(model, draft, settings)
-    print(f"selfspec: serving {settings.model_name} ({draft.strategy}) on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    print(f"selfspec: serving {settings.model_name} ({draft.strategy}; chat template: {model.chat_template_source}) "
+          f"on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False, log_level=args.log_level,
                 timeout_graceful_shutdown=5)
     return 0

@@ -60,7 +60,7 @@ def _replica_class():
         """One model + one engine thread; the ASGI app is create_app's."""
 
         def __init__(self, model: str, dtype=None, device=None, profile=None, draft_options=None, settings=None, threads=None,
-                     warmup: bool = True):
+                     warmup: bool = True, chat_template: str | None = None):
             import torch
 
             import selfspec
@@ -68,7 +68,7 @@ def _replica_class():
 
             if threads:
                 torch.set_num_threads(int(threads))
-            self.model = selfspec.load(model, dtype=dtype, device=device)
+            self.model = selfspec.load(model, dtype=dtype, device=device, chat_template=chat_template)
             self.draft = self.model.draft_config(profile=profile, **(draft_options or {}))
             self.draft.check_model(self.model.runtime.num_layers, self.model.spec.vocab_size)
             s = dict(settings or {})
@@ -102,8 +102,8 @@ def _coerce(key: str, value):
 def build_app(args: dict):
     """A Ray Serve application (a bound deployment) from a dict:
 
-    model (required), dtype, device, profile, strategy and any DraftConfig field (or a
-    `draft` dict), replicas (1), num_cpus (per replica), threads (torch threads per replica),
+    model (required), dtype, device, profile, chat_template, strategy and any DraftConfig field
+    (or a `draft` dict), replicas (1), num_cpus (per replica), threads (torch threads per replica),
     settings (a dict of ServerSettings fields), warmup (True)."""
     from ray import serve
 
@@ -120,6 +120,13 @@ def build_app(args: dict):
     profile = args.get("profile")
     if profile is not None:
         profile = os.path.abspath(profile)
+    chat_template = args.get("chat_template")
+    if chat_template is not None:
+        from selfspec.chat_templates import resolve
+
+        resolve(chat_template)  # a bad name or file fails here, not in every replica
+        if os.path.exists(chat_template):
+            chat_template = os.path.abspath(chat_template)
     settings = dict(args.get("settings") or {})
     settings.setdefault("model_name", str(args["model"]))
     replicas = int(args.get("replicas", 1))
@@ -139,7 +146,7 @@ def build_app(args: dict):
         graceful_shutdown_timeout_s=5,
     )
     return deployment.bind(model, args.get("dtype"), args.get("device"), profile, draft_options, settings, threads,
-                           bool(args.get("warmup", True)))
+                           bool(args.get("warmup", True)), chat_template)
 
 
 def serve_with_ray(args, settings) -> int:
@@ -156,7 +163,7 @@ def serve_with_ray(args, settings) -> int:
     s.pop("replica_id", None)
     app_args = {"model": args.model, "dtype": args.dtype, "device": args.device, "profile": args.profile,
                 "draft": draft_options, "replicas": args.replicas, "num_cpus": args.replica_cpus, "settings": s,
-                "threads": args.threads,
+                "threads": args.threads, "chat_template": args.chat_template,
                 "warmup": not args.no_warmup}
     if args.ray_address:
         ray.init(address=args.ray_address, include_dashboard=False, logging_level="warning")

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from selfspec.cli import add_config_args, add_draft_args, add_model_args, config_kwargs, draft_config_from_args, load_model
+from selfspec.cli import (add_config_args, add_draft_args, add_model_args, check_before_loading, choice, config_kwargs,
+                          draft_config_from_args, load_model)
 from selfspec.config import DraftConfig, SamplingConfig
 from selfspec.errors import SelfSpecError
 
@@ -74,6 +76,14 @@ def _err(msg: str) -> None:
     print(msg, file=sys.stderr)
 
 
+def _loud(msg: str) -> None:
+    """A warning that must not be missed: bold yellow on a terminal, plain text in a log."""
+    from rich.console import Console
+    from rich.text import Text
+
+    Console(stderr=True, highlight=False).print(Text(msg, style="bold yellow"), soft_wrap=True)
+
+
 # ---- bench ---------------------------------------------------------------------------------------
 
 
@@ -82,6 +92,7 @@ def cmd_bench(args) -> int:
 
     _check_common(args)
     settings = _settings(args)
+    check_before_loading(args)
     dataset = _dataset(args)
     model = load_model(args)
     draft = draft_config_from_args(model, args)
@@ -98,7 +109,14 @@ def cmd_bench(args) -> int:
 # ---- sweep ---------------------------------------------------------------------------------------
 
 
+def _check_exit_layers(rows: list[int], L: int) -> None:
+    bad = [e for e in rows if not 1 <= e <= L - 1]
+    if bad:
+        raise SelfSpecError(f"--exit-layers: {bad} outside 1..{L - 1} for this {L}-layer model")
+
+
 def cmd_sweep(args) -> int:
+    from selfspec.loading import peek_shape
     from selfspec.tools.bench import strategy_label
     from selfspec.tools.sweep import parse_float_range, parse_int_range, run_sweep, sweep_table
 
@@ -119,6 +137,9 @@ def cmd_sweep(args) -> int:
             raise SelfSpecError("--exit-layers is for --strategy early-exit")
         rows = parse_float_range(args.skip_ratios or "0.1:0.5:0.1", "--skip-ratios")
     settings = _settings(args)
+    shape = peek_shape(args.model)
+    if shape is not None and args.strategy == "early-exit" and rows_text is not None:
+        _check_exit_layers(parse_int_range(rows_text, "--exit-layers"), shape[0])
     dataset = _dataset(args)
     model = load_model(args)
     if args.strategy == "exit-adapter":
@@ -130,20 +151,24 @@ def cmd_sweep(args) -> int:
             rows = list(range(max(1, step), L, step))[:8]
         else:
             rows = parse_int_range(rows_text, "--exit-layers")
-        bad = [e for e in rows if not 1 <= e <= L - 1]
-        if bad:
-            raise SelfSpecError(f"--exit-layers: {bad} outside 1..{L - 1} for this {L}-layer model")
+        _check_exit_layers(rows, L)
     extra = {"draft_threshold": args.draft_threshold, "adaptive": args.adaptive or None, "draft_vocab": args.draft_vocab,
              "adapter": args.adapter}
     results = run_sweep(model, args.strategy, rows, ks, dataset, settings, skip_kind=args.skip_kind, extra=extra,
                         warmup=args.warmup, out_dir=args.out_dir, profile_out=args.profile_out,
                         progress=not args.no_progress, command=sys.argv[1:], log=_err)
-    _console().print(sweep_table(results))
+    console = _console()
+    console.print(sweep_table(results, console.width))
     best = results.get("best")
     if best:
         _err(f"best: {strategy_label(best['draft'])}, speedup x{best['speedup']:.2f}, acceptance {best['acceptance_rate']:.0%}; "
              f"profile {results.get('profile')}")
-    _err(f"wrote {args.out_dir}/sweep.json, sweep.csv, " + ", ".join(p.rsplit('/', 1)[-1] for p in results.get("plots", [])))
+        if best["speedup"] is not None and best["speedup"] < 1.0:
+            _loud(f"WARNING: the best setting is SLOWER than autoregressive decoding (x{best['speedup']:.2f}): no setting of "
+                  f"this sweep pays off. {results.get('profile') or 'The profile'} is marked as losing: --strategy auto and "
+                  "install will not adopt it.")
+    plots = [Path(p).name for p in results.get("plots", [])]
+    _err(f"wrote {Path(args.out_dir) / 'sweep.json'}, sweep.csv" + "".join(f", {p}" for p in plots))
     if results["interrupted"]:
         _err("selfspec: interrupted; the finished measurements were written")
         return INTERRUPTED
@@ -157,6 +182,7 @@ def cmd_correctness(args) -> int:
     from selfspec.tools.correctness import correctness_table, run_correctness
 
     _check_common(args)
+    check_before_loading(args)
     dataset = _dataset(args)
     model = load_model(args)
     draft = draft_config_from_args(model, args)
@@ -203,11 +229,12 @@ def register(sub) -> None:
     s = sub.add_parser("sweep", help="grid of exit layers (or skip ratios) x K: CSV, JSON, heatmap, best profile",
                        description="Measures every (exit layer, K) or (skip ratio, K) cell against autoregressive.")
     add_model_args(s)
-    s.add_argument("--strategy", choices=["early-exit", "layer-skip", "exit-adapter"], default="early-exit")
+    s.add_argument("--strategy", type=choice(("early-exit", "layer-skip", "exit-adapter"), "sweep strategy"), default="early-exit",
+                   help="early-exit, layer-skip or exit-adapter (default: early-exit)")
     s.add_argument("--adapter", default=None, help="exit-adapter: the trained adapter (its exit layer is the only row)")
     s.add_argument("--exit-layers", default=None, help="early-exit rows: start:stop[:step] (inclusive) or a list (default: ~6 across the depth)")
     s.add_argument("--skip-ratios", default=None, help="layer-skip rows: start:stop[:step] or a list of ratios in (0,1) (default: 0.1:0.5:0.1)")
-    s.add_argument("--skip-kind", choices=["attn", "mlp", "both"], default="both", help="layer-skip: which sub-layers of a skipped layer to skip (default: both)")
+    s.add_argument("--skip-kind", type=choice(("attn", "mlp", "both"), "skip kind"), default="both", help="layer-skip: which sub-layers of a skipped layer to skip (default: both)")
     s.add_argument("--num-speculations", default="1:8", help="K values: start:stop[:step] (inclusive) or a list (default: 1:8)")
     s.add_argument("--draft-threshold", type=float, default=None, help="fixed for every cell: stop drafting below this top-1 probability")
     s.add_argument("--adaptive", action="store_true", help="fixed for every cell: adaptive draft threshold")

@@ -51,7 +51,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from selfspec.errors import SelfSpecError
+from selfspec.errors import SelfSpecError, did_you_mean
 
 BUILTIN = ("code", "text", "summarize")
 _EXCLUDED_DIRS = {"test", "tests", "idlelib", "lib2to3", "turtledemo", "encodings", "site-packages",
@@ -134,10 +134,13 @@ def load_dataset(
         ds = _hf(spec, num_samples, seed, n_shot, prompt_field, reference_field)
     else:
         path = Path(spec).expanduser()
+        if path.is_dir():
+            raise SelfSpecError(f"--dataset {spec} is a directory; give a .jsonl file")
         if not path.is_file():
-            raise SelfSpecError(
-                f"unknown dataset {spec!r}: choose {', '.join(BUILTIN)}, a .jsonl file, or hf:NAME[:config]:split"
-            )
+            if path.suffix or "/" in spec or os.sep in spec:  # meant as a file
+                raise SelfSpecError(f"dataset file not found: {spec}")
+            raise SelfSpecError(f"unknown dataset {spec!r}{did_you_mean(spec, BUILTIN)} (choose {', '.join(BUILTIN)}, "
+                                "a .jsonl file, or hf:NAME[:config]:split)")
         ds = _jsonl(path, num_samples, seed, n_shot, prompt_field, reference_field or "reference")
     if template is not None:
         for s in ds.samples:

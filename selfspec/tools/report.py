@@ -2,6 +2,11 @@
 and PNG plots, plus an HTML page with both, so runs from different machines can be put side
 by side: `selfspec report laptop.json server.json --out-dir report/`.
 
+In a terminal the tables fit its width: runs are numbered (their labels listed above the
+table), the most useful columns that fit are shown and the rest named in the caption; a
+grid too wide for the screen (a sweep over many K) is split into several tables. No cell is
+ever narrower than its longest word. index.html has every column, with what each means.
+
 Plots (matplotlib, Agg backend):
   bench_speedup.png             speedup per run (bar: ratio of means, dot: median per prompt)
   bench_tokens_per_second.png   autoregressive vs strategy tokens/s per run
@@ -20,7 +25,7 @@ import os
 from pathlib import Path
 
 from selfspec.errors import SelfSpecError
-from selfspec.profiles import atomic_write_text
+from selfspec.profiles import atomic_write_bytes, atomic_write_text
 
 KINDS = ("bench", "sweep", "correctness", "compare")
 
@@ -125,8 +130,8 @@ def sweep_rows(r: dict) -> tuple[list[str], list[list[str]]]:
             if not s or s.get("speedup") is None:
                 line.append("-")
             else:
-                mark = " *" if best.get("row") == row and best.get("draft", {}).get("num_speculations") == K else ""
-                line.append(f"{s['speedup']:.2f}x / {s['acceptance_rate']:.0%}{mark}")
+                mark = "*" if best.get("row") == row and best.get("draft", {}).get("num_speculations") == K else ""
+                line.append(f"{s['speedup']:.2f}x {s['acceptance_rate']:.0%}{mark}")
         rows.append(line)
     return head, rows
 
@@ -152,6 +157,7 @@ def compare_rows(r: dict) -> tuple[list[str], list[list[str]]]:
 
 
 def rich_table(title: str, head: list[str], rows: list[list[str]], caption: str | None = None):
+    """All columns at their natural widths (files, wide consoles); see console_tables."""
     from rich.table import Table
 
     t = Table(title=title, caption=caption)
@@ -162,17 +168,167 @@ def rich_table(title: str, head: list[str], rows: list[list[str]], caption: str 
     return t
 
 
-def html_table(head: list[str], rows: list[list[str]]) -> str:
-    th = "".join(f"<th>{html.escape(h)}</th>" for h in head)
+def _longest_word(text: str) -> int:
+    return max((len(w) for w in text.split()), default=0)
+
+
+def _table_width(widths: list[int]) -> int:
+    return sum(widths) + 3 * len(widths) + 1  # rich's default box: a border and a space each side per column
+
+
+def console_tables(title: str, head: list[str], rows: list[list[str]], width: int, *, priority: list[str] | None = None,
+                   wrap: tuple[str, ...] = (), caption: str | None = None, omitted_note: str = "in index.html") -> list:
+    """Tables that fit `width` columns without breaking a word.
+
+    Every column needs its longest word (header words wrap; cells of the `wrap` columns wrap
+    at spaces, other cells never). If all columns fit, one table; else with `priority` (the
+    column names, most useful first) one table with the leading columns that fit, in their
+    usual order, the others named in the caption; else the columns are split into several
+    tables, each repeating the first column."""
+    from rich.table import Table
+
+    n = len(head)
+    cells = [[str(r[i]) for r in rows] for i in range(n)]
+    need = [max(_longest_word(head[i]), max((_longest_word(c) if head[i] in wrap else len(c) for c in cells[i]), default=0), 1)
+            for i in range(n)]
+    natural = [max(len(head[i]), max((len(c) for c in cells[i]), default=0), 1) for i in range(n)]
+
+    def build(cols: list[int], title_: str, caption_: str | None):
+        widths = [need[i] for i in cols]
+        spare = width - _table_width(widths)
+        for j, i in enumerate(cols):  # room left goes to the columns that would otherwise wrap
+            more = min(max(spare, 0), natural[i] - widths[j])
+            widths[j] += more
+            spare -= more
+        t = Table(title=title_, caption=caption_)
+        for j, i in enumerate(cols):
+            t.add_column(head[i], justify="left" if i == 0 or head[i] in wrap else "right", width=widths[j],
+                         no_wrap=head[i] not in wrap and widths[j] >= natural[i], overflow="fold")
+        for r in rows:
+            t.add_row(*[str(r[i]) for i in cols])
+        return t
+
+    if _table_width(natural) <= width or _table_width(need) <= width:
+        return [build(list(range(n)), title, caption)]
+    if priority:
+        order = [head.index(h) for h in priority if h in head] + [i for i in range(n) if head[i] not in priority]
+        chosen: list[int] = []
+        for i in order:
+            if _table_width([need[j] for j in chosen + [i]]) <= width:
+                chosen.append(i)
+        left = [head[i] for i in range(n) if i not in chosen]
+        note = f"not shown at {width} columns: {', '.join(left)} ({omitted_note})"
+        return [build(sorted(chosen), title, f"{caption}; {note}" if caption else note)]
+    groups: list[list[int]] = []
+    for i in range(1, n):
+        if groups and _table_width([need[0]] + [need[j] for j in groups[-1]] + [need[i]]) <= width:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return [build([0] + g, f"{title} ({k + 1}/{len(groups)})", caption if k == len(groups) - 1 else None)
+            for k, g in enumerate(groups)]
+
+
+def numbered(labels: list[str]) -> tuple[list[str], list[str]]:
+    """Short run ids for a terminal table ("#1"...) and the lines that say which is which."""
+    ids = [f"#{i + 1}" for i in range(len(labels))]
+    return ids, [f"{i} {lab}" for i, lab in zip(ids, labels)]
+
+
+def html_table(head: list[str], rows: list[list[str]], help_: dict[str, str] | None = None) -> str:
+    """A table, scrolling sideways rather than squeezing its cells, and under it what each
+    column means (`help_`: column -> explanation)."""
+    def th(h: str) -> str:
+        tip = (help_ or {}).get(h)
+        return f'<th title="{html.escape(tip)}">{html.escape(h)}</th>' if tip else f"<th>{html.escape(h)}</th>"
+
     trs = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
-    return f"<table><thead><tr>{th}</tr></thead><tbody>{trs}</tbody></table>"
+    out = f'<div class="scroll"><table><thead><tr>{"".join(th(h) for h in head)}</tr></thead><tbody>{trs}</tbody></table></div>'
+    if help_:
+        out += '<dl class="cols">' + "".join(f"<dt>{html.escape(h)}</dt><dd>{html.escape(help_[h])}</dd>" for h in head if h in help_) + "</dl>"
+    return out
+
+
+def html_figure(path: Path, text: str) -> str:
+    return f'<figure><img src="{html.escape(path.name)}" alt="{html.escape(path.stem)}"><figcaption>{html.escape(text)}</figcaption></figure>'
+
+
+# What each column and chart shows (the HTML page prints these under the tables and plots).
+BENCH_COLUMNS = {
+    "run": "the results file: strategy | dtype | machine (host · CPU or GPU · torch threads)",
+    "model": "model name and the first digits of its fingerprint: runs with the same fingerprint used the same weights",
+    "dataset": "prompt set and a hash of its prompts: runs with the same hash measured the same prompts",
+    "n": "prompts measured",
+    "AR tok/s": "autoregressive (plain) decoding in the same engine: generated tokens per second, prefill included",
+    "spec tok/s": "the strategy's generated tokens per second, prefill included",
+    "speedup": "spec tok/s divided by AR tok/s (ratio of total throughputs); below 1.00x the strategy is slower than plain decoding",
+    "median": "median over prompts of each prompt's own speedup (robust to one long prompt)",
+    "acceptance": "drafted tokens the full model accepted, as a share of all drafted tokens",
+    "tokens/verify": "mean tokens committed per verification pass: the accepted drafts plus the full model's own token",
+    "TTFT AR/spec (s)": "time to the first generated token (the prefill), autoregressive / strategy",
+    "draft/verify share": "share of the strategy's generation time spent drafting / verifying",
+    "peak MB": "peak memory while generating, autoregressive / strategy (see memory_method in the file)",
+    "ROUGE-L": "ROUGE-L F1 of the strategy's outputs against the dataset's references (- without references)",
+    "parses": "share of code completions that parse as Python (code prompts only)",
+    "identical": "prompts whose output equals plain decoding token for token (greedy: all of them, or it is a bug)",
+}
+SWEEP_COLUMNS = {
+    "cells": "speedup over autoregressive decoding (ratio of throughputs on the same prompts) and acceptance rate of "
+             "each (row, K) setting; * marks the best setting; K = the most tokens drafted per verification",
+}
+CORRECTNESS_COLUMNS = {
+    "run": "the results file",
+    "dataset": "prompt set",
+    "prompts": "prompts compared",
+    "mismatches": "prompts whose greedy output differs from plain decoding (anything but 0 is a bug)",
+    "first difference": "the earliest token position at which an output differs",
+    "mismatching ids": "ids of the prompts that differ",
+}
+COMPARE_COLUMNS = {
+    "dataset": "prompt set",
+    "method": "decoding method (selfspec strategies, and transformers' own generate for reference)",
+    "n": "generations measured",
+    "tok/s": "generated tokens per second",
+    "vs selfspec AR": "speed relative to selfspec's autoregressive decoding (below 1.00x: slower)",
+    "vs HF generate": "speed relative to transformers' generate",
+    "acceptance": "drafted tokens accepted, as a share of drafted tokens",
+    "same tokens as AR": "generations whose tokens equal selfspec's autoregressive output",
+}
+CHARTS = {
+    "bench_speedup": "Speedup of each run over autoregressive decoding: the bar is the ratio of mean throughputs, the dot "
+                     "the median of the per-prompt speedups. The dashed line at 1.0 is plain decoding: bars left of it "
+                     "are slower.",
+    "bench_tokens_per_second": "Throughput of each run: autoregressive decoding (grey) and the strategy (orange), "
+                               "generated tokens per second, prefill included.",
+    "bench_acceptance": "Acceptance by draft position: of the drafts at position i of a step (1 = the first drafted "
+                        "token), the share the full model accepted. A position is only reached when every earlier one "
+                        "was accepted.",
+    "bench_time_split": "Where the generation time goes, for autoregressive decoding [AR] and the strategy [spec]: "
+                        "prefill (the prompt), drafting, verification, and everything else.",
+    "heatmap": "Speedup over autoregressive decoding of every (row, K) setting: green is faster, red slower, white "
+               "equal; the boxed cell with a star is the best setting.",
+    "acceptance": "Acceptance rate (accepted / drafted tokens) of every row, one line per K.",
+    "compare_speedup": "Speedup of every method over selfspec's autoregressive decoding, per prompt set; the dashed "
+                       "line at 1.0 is plain decoding.",
+}
+
+
+def _chart_text(path: Path) -> str:
+    for key, text in CHARTS.items():
+        if path.stem == key or path.stem.endswith("_" + key):
+            return text
+    return ""
 
 
 # ---- plots ---------------------------------------------------------------------------------------
 
 
 def _save(fig, path) -> None:
-    fig.savefig(path, dpi=110, bbox_inches="tight")  # long run labels stay inside the image
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")  # long run labels stay inside the image
+    atomic_write_bytes(path, buf.getvalue())
 
 
 def _cell(r: dict, row, K):
@@ -363,12 +519,22 @@ def compare_plots(r: dict, out_dir: Path, prefix: str = "compare") -> list[Path]
 
 
 _CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1400px}table{border-collapse:collapse;margin:1em 0;font-size:13px}
-th,td{border:1px solid #ccc;padding:3px 8px;text-align:right}td:first-child,th:first-child{text-align:left}
-th{background:#f3f3f3}img{max-width:100%;border:1px solid #eee;margin:.5em 0}.warn{color:#a40}code{font-size:12px}"""
+th,td{border:1px solid #ccc;padding:3px 8px;text-align:right;white-space:nowrap}td:first-child,th:first-child{text-align:left}
+th{background:#f3f3f3}.scroll{overflow-x:auto}img{max-width:100%;border:1px solid #eee}figure{margin:1em 0}
+figcaption{font-size:13px;color:#444;max-width:900px}dl.cols{font-size:13px;display:grid;grid-template-columns:max-content auto;gap:2px 12px}
+dl.cols dt{font-weight:600}dl.cols dd{margin:0}.warn{color:#a40;font-weight:600}code{font-size:12px}"""
+
+BENCH_PRIORITY = ["run", "speedup", "spec tok/s", "AR tok/s", "acceptance", "identical", "tokens/verify", "median", "n",
+                  "TTFT AR/spec (s)", "draft/verify share", "dataset", "peak MB", "ROUGE-L", "parses", "model"]
+COMPARE_PRIORITY = ["method", "dataset", "vs selfspec AR", "tok/s", "acceptance", "same tokens as AR", "vs HF generate", "n"]
+CORRECTNESS_PRIORITY = ["run", "mismatches", "prompts", "first difference", "dataset", "mismatching ids"]
 
 
 def report(paths: list[str], out_dir: str | os.PathLike = "report", labels: list[str] | None = None, html_page: bool = True, console=None) -> dict:
-    """Print tables, write plots (and index.html) to out_dir. -> {"plots": [...], "html": path|None, "warnings": [...]}"""
+    """Print tables (fitted to the console's width), write plots (and index.html, with every
+    column) to out_dir. -> {"plots": [...], "html": path|None, "warnings": [...]}"""
+    from rich.text import Text
+
     from selfspec.tools.bench import strategy_label
 
     if not paths:
@@ -378,6 +544,7 @@ def report(paths: list[str], out_dir: str | os.PathLike = "report", labels: list
         from rich.console import Console
 
         console = Console()
+    width = console.width
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     all_labels = run_labels(results, labels)
@@ -395,6 +562,15 @@ def report(paths: list[str], out_dir: str | os.PathLike = "report", labels: list
             f"model {html.escape(results[i]['model']['fingerprint'])}; torch {html.escape(str((results[i].get('environment') or {}).get('versions', {}).get('torch')))}</li>"
             for i in idx) + "</ul>"
 
+    def figures(ps: list[Path]) -> str:
+        return "".join(html_figure(p, _chart_text(p)) for p in ps)
+
+    def show(tables: list, legend: list[str] | None = None) -> None:
+        for line in legend or ():
+            console.print(Text(line), soft_wrap=False, overflow="fold")
+        for t in tables:
+            console.print(t)
+
     if "bench" in by_kind:
         idx = by_kind["bench"]
         rs, labs = [results[i] for i in idx], [all_labels[i] for i in idx]
@@ -405,41 +581,49 @@ def report(paths: list[str], out_dir: str | os.PathLike = "report", labels: list
         if len({h for _, h in hashes}) > 1:
             warnings.append("bench runs used different prompts (dataset hashes differ: " + ", ".join(f"{n}:{h}" for n, h in sorted(hashes)) + ")")
         head, rows = bench_rows(rs, labs)
-        console.print(rich_table("bench runs", head, rows, "speedup = ratio of mean throughput; median = of per-prompt ratios"))
+        cap = "speedup = ratio of mean throughput; median = of per-prompt ratios"
+        ids, legend = numbered([r[0] for r in rows])
+        show(console_tables("bench runs", head, [[k] + r[1:] for k, r in zip(ids, rows)], width, priority=BENCH_PRIORITY,
+                            wrap=("model", "dataset"), caption=cap), ["runs:"] + legend)
         ps = bench_plots(rs, labs, out)
         plots += ps
-        sections.append("<h2>bench</h2>" + files_html(idx) + html_table(head, rows) + "".join(f'<img src="{p.name}">' for p in ps))
+        sections.append("<h2>bench</h2>" + files_html(idx) + html_table(head, rows, BENCH_COLUMNS) + figures(ps))
 
     for i in by_kind.get("sweep", []):
         r = results[i]
         head, rows = sweep_rows(r)
         best = r.get("best")
         cap = "speedup / acceptance; * best" + (f": {strategy_label(best['draft'])} x{best['speedup']:.2f}" if best else "")
-        console.print(rich_table(f"sweep {all_labels[i]}", head, rows, cap))
+        loss = sweep_loss_warning(r)
+        if loss:
+            warnings.append(f"{all_labels[i]}: {loss}")
+        show(console_tables(f"sweep {all_labels[i]}", head, rows, width, caption=cap))
         stem = Path(r["_path"]).stem
         ps = sweep_plots(r, out, prefix=f"{stem}_{i}" if len(by_kind["sweep"]) > 1 else stem)
         plots += ps
         sections.append(f"<h2>sweep: {html.escape(all_labels[i])}</h2>" + files_html([i]) + html_table(head, rows)
-                        + f"<p>{html.escape(cap)}</p>" + "".join(f'<img src="{p.name}">' for p in ps))
+                        + f"<p>{html.escape(cap)}. {html.escape(SWEEP_COLUMNS['cells'])}.</p>" + figures(ps))
 
     if "correctness" in by_kind:
         idx = by_kind["correctness"]
         head, rows = correctness_rows([results[i] for i in idx], [all_labels[i] for i in idx])
-        console.print(rich_table("correctness (greedy, token for token)", head, rows))
-        sections.append("<h2>correctness</h2>" + files_html(idx) + html_table(head, rows))
+        ids, legend = numbered([r[0] for r in rows])
+        show(console_tables("correctness (greedy, token for token)", head, [[k] + r[1:] for k, r in zip(ids, rows)], width,
+                            priority=CORRECTNESS_PRIORITY, wrap=("dataset", "mismatching ids")), ["runs:"] + legend)
+        sections.append("<h2>correctness</h2>" + files_html(idx) + html_table(head, rows, CORRECTNESS_COLUMNS))
 
     for i in by_kind.get("compare", []):
         r = results[i]
         head, rows = compare_rows(r)
-        console.print(rich_table(f"compare_all {all_labels[i]}", head, rows))
+        show(console_tables(f"compare_all {all_labels[i]}", head, rows, width, priority=COMPARE_PRIORITY, wrap=("method",)))
         stem = Path(r["_path"]).stem
         ps = compare_plots(r, out, prefix=f"{stem}_{i}" if len(by_kind["compare"]) > 1 else stem)
         plots += ps
-        sections.append(f"<h2>compare_all: {html.escape(all_labels[i])}</h2>" + files_html([i]) + html_table(head, rows)
-                        + "".join(f'<img src="{p.name}">' for p in ps))
+        sections.append(f"<h2>compare_all: {html.escape(all_labels[i])}</h2>" + files_html([i]) + html_table(head, rows, COMPARE_COLUMNS)
+                        + figures(ps))
 
     for w in warnings:
-        console.print(f"[yellow]warning:[/] {w}")
+        console.print(f"[bold yellow]warning:[/] {w}")
     page = None
     if html_page:
         page = out / "index.html"
@@ -447,7 +631,18 @@ def report(paths: list[str], out_dir: str | os.PathLike = "report", labels: list
         atomic_write_text(page, f"<!doctype html><html><head><meta charset='utf-8'><title>selfspec report</title><style>{_CSS}</style></head>"
                                 f"<body><h1>selfspec report</h1>{warn}{''.join(sections)}</body></html>\n")
     for p in plots:
-        console.print(f"wrote {p}")
+        console.print(f"wrote {p}", soft_wrap=True)
     if page:
-        console.print(f"wrote {page}")
+        console.print(f"wrote {page}", soft_wrap=True)
     return {"plots": [str(p) for p in plots], "html": str(page) if page else None, "warnings": warnings}
+
+
+def sweep_loss_warning(r: dict) -> str | None:
+    """A sweep's best setting measured slower than autoregressive decoding, said plainly."""
+    best = r.get("best")
+    if not best or best.get("speedup") is None or best["speedup"] >= 1.0:
+        return None
+    from selfspec.tools.bench import strategy_label
+
+    return (f"the best setting, {strategy_label(best['draft'])}, is SLOWER than autoregressive decoding "
+            f"(x{best['speedup']:.2f}): no setting of this sweep pays off; do not use it")

@@ -17,7 +17,9 @@ baseline runs of its own row and prompts, so drift over a long sweep hits both s
 Writes to --out-dir: sweep.json (everything, per-prompt numbers included), sweep.csv (one
 line per cell), sweep_heatmap.png (speedup over row x K, best cell marked),
 sweep_acceptance.png (acceptance rate by row, one line per K), and the best cell as a
-draft profile (best_profile.json, or --profile-out) for `--profile`.
+draft profile (best_profile.json, or --profile-out) for `--profile`. When even the best cell
+is slower than autoregressive decoding, the sweep says so loudly and the profile is marked
+`slower_than_autoregressive`: `--strategy auto` never adopts it and install refuses it.
 """
 
 from __future__ import annotations
@@ -239,7 +241,8 @@ def run_sweep(
             base = {r["id"]: r for r in results["baseline"][str(c["row"])]}
             c["summary"] = cell_summary(c, base)
         best = best_cell(results["cells"], n)
-        results["best"] = None if best is None else {"row": best["row"], "draft": best["draft"], **best["summary"]}
+        results["best"] = None if best is None else {"row": best["row"], "draft": best["draft"], **best["summary"],
+                                                     "slower_than_autoregressive": best["summary"]["speedup"] < 1.0}
         results["peak_memory_mb"] = dict(memory.peaks)
         results["process_peak_rss_mb"] = process_peak_rss_mb()
 
@@ -289,6 +292,9 @@ def run_sweep(
         path = Path(profile_out) if profile_out is not None else out_dir / "best_profile.json"
         metrics = {k: best[k] for k in ("speedup", "speedup_median", "acceptance_rate", "mean_accepted_length", "tokens_per_second", "baseline_tokens_per_second", "samples")}
         metrics.update({
+            "speedup_vs_autoregressive": best["speedup"],
+            # auto and install read this: a best setting that loses is a result, not a recommendation
+            "slower_than_autoregressive": best["speedup"] is not None and best["speedup"] < 1.0,
             "dataset": dataset.name,
             "dataset_hash": dataset.hash,
             "max_new_tokens": settings.max_new_tokens,
@@ -306,29 +312,20 @@ def run_sweep(
     return results
 
 
-def sweep_table(results: dict):
-    from rich.table import Table
+def sweep_table(results: dict, width: int = 160):
+    """The grid as it fits a console `width` columns wide (split into several tables when
+    there are too many K for one), best cell starred; a best cell slower than plain
+    decoding is said so in the caption."""
+    from rich.console import Group
 
-    rk = "exit layer" if results["row_kind"] == "exit_layer" else "skip ratio"
+    from selfspec.tools.report import console_tables, sweep_loss_warning, sweep_rows
+
     m = results["model"]
-    t = Table(title=f"selfspec sweep: {results['strategy']} speedup vs autoregressive - {m['name']} ({m['dtype']}, {m['device']}), "
-                    f"{results['dataset']['name']} x{results['requested']}" + (" [interrupted]" if results.get("interrupted") else ""))
-    t.add_column(rk + " \\ K")
-    for K in results["num_speculations"]:
-        t.add_column(str(K), justify="right")
-    best = results.get("best")
-    for row in results["rows"]:
-        vals = []
-        for K in results["num_speculations"]:
-            c = next(c for c in results["cells"] if c["row"] == row and c["draft"]["num_speculations"] == K)
-            s = c["summary"]
-            if not s or s["speedup"] is None:
-                vals.append("-")
-                continue
-            txt = f"{s['speedup']:.2f}x {s['acceptance_rate']:.0%}"
-            if best and best["row"] == row and best["draft"]["num_speculations"] == K:
-                txt = f"[bold green]{txt} *"
-            vals.append(txt)
-        t.add_row(str(row), *vals)
-    t.caption = "cells: speedup (ratio of means) and acceptance rate; * best"
-    return t
+    title = (f"selfspec sweep: {results['strategy']} speedup vs autoregressive - {m['name']} ({m['dtype']}, {m['device']}), "
+             f"{results['dataset']['name']} x{results['requested']}" + (" [interrupted]" if results.get("interrupted") else ""))
+    head, rows = sweep_rows(results)
+    caption = "cells: speedup (ratio of means) / acceptance rate; * best"
+    loss = sweep_loss_warning(results)
+    if loss:
+        caption += f". WARNING: {loss}"
+    return Group(*console_tables(title, head, rows, width, caption=caption))

@@ -16,6 +16,7 @@ import types
 import typing
 from dataclasses import MISSING, fields
 
+from selfspec.cli import choice, with_default
 from selfspec.errors import SelfSpecError
 from selfspec.training.config import AdapterConfig, DataConfig, LayerSkipConfig, LoopConfig, ModelConfig, TrainConfig
 
@@ -41,8 +42,10 @@ def _add_fields(parser, cls, skip=()) -> None:
         flag = "--" + f.name.replace("_", "-")
         meta = f.metadata
         default = f.default if f.default is not MISSING else f.default_factory()
-        shown = list(default) if isinstance(default, tuple) else default
-        help_ = meta["help"] if "default" in meta["help"] else f"{meta['help']} (default: {shown})"
+        help_ = meta["help"]
+        if meta.get("choices") and not all(c in help_ for c in meta["choices"]):
+            help_ += f" ({', '.join(meta['choices'])})"
+        help_ = with_default(help_, default)
         tp = _scalar(hints[f.name])
         kw: dict = {"default": None, "help": help_}  # None = not given: the dataclass (or the resumed run) decides
         if tp is bool:
@@ -52,8 +55,8 @@ def _add_fields(parser, cls, skip=()) -> None:
             kw["nargs"] = meta["nargs"]
         if meta.get("action"):
             kw["action"] = meta["action"]
-        if meta.get("choices"):
-            kw["choices"] = meta["choices"]
+        if meta.get("choices"):  # checked by `choice`: one line, with the closest name, for a typo
+            tp = choice(tuple(meta["choices"]), f.name.replace("_", " "))
         parser.add_argument(flag, type=tp, **kw)
 
 

@@ -65,6 +65,19 @@ def exit_ce_sum(dec: Decoder, h: torch.Tensor, targets: torch.Tensor, weights: t
     return total
 
 
+DEGENERATE_SHARE = 0.5  # the final layer predicting one token this often: agreement with it means little
+
+
+def degenerate_caveat(ev: dict) -> str | None:
+    """A barely trained model predicts one token almost everywhere, and every early exit
+    'agrees' with it: say so beside the agreement it reports."""
+    share = ev.get("final_top_token_share")
+    if share is None or share < DEGENERATE_SHARE:
+        return None
+    return (f"the last layer predicts one token at {share:.0%} of held-out positions ({ev.get('final_distinct_tokens')} "
+            "distinct tokens), so exit agreement is not a sign of good drafts yet; train longer")
+
+
 class LayerSkipTask:
     def __init__(self, cfg: TrainConfig, model: torch.nn.Module, tokenizer, corpus: Corpus, d: Dist):
         self.cfg, self.model, self.tokenizer, self.corpus, self.dist = cfg, model, tokenizer, corpus, d
@@ -84,6 +97,7 @@ class LayerSkipTask:
             self.exit_slot[self.exit_vocab] = torch.arange(self.exit_vocab.numel(), device=d.device)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self._norm: dict[str, float] = {}
+        self.curriculum_steps = cfg.loop.max_steps  # the curricula's horizon (the loop keeps a run's first one)
 
     # ---- what the loop needs --------------------------------------------------------------
 
@@ -106,12 +120,12 @@ class LayerSkipTask:
         if self.e_scale == 0.0:
             return [self.L - 1]
         ls = self.cfg.layerskip
-        return schedules.active_exits(step, self.cfg.loop.max_steps, self.L, ls.early_exit_curriculum,
+        return schedules.active_exits(step, self.curriculum_steps, self.L, ls.early_exit_curriculum,
                                       ls.early_exit_rotation, ls.early_exit_gradual_fraction)
 
     def dropout_rates(self, step: int) -> list[float]:
         ls = self.cfg.layerskip
-        return schedules.layer_dropout_rates(step, self.cfg.loop.max_steps, self.L, self.p_max,
+        return schedules.layer_dropout_rates(step, self.curriculum_steps, self.L, self.p_max,
                                              ls.layer_dropout_schedule, self.curriculum)
 
     def keep_mask(self, step: int, micro: int, global_rows: int, start: int, end: int) -> torch.Tensor | None:
@@ -168,11 +182,14 @@ class LayerSkipTask:
         mine = idx[self.dist.rank :: self.dist.world]
         L = self.L
         sums = torch.zeros(3, L + 1, dtype=torch.float64)  # loss, correct, agree per layer; [*, L] = n targets
+        V = self.model.config.vocab_size
+        final_counts = torch.zeros(V, dtype=torch.float64)  # how often the final layer predicts each token
         for b in range(0, len(mine), batch_size):
             ids, targets, weights = (t.to(self.dist.device) for t in self.corpus.eval.sequences(mine[b : b + batch_size]))
             hs = self.dec.hidden_states(ids)
             final_top = self.dec.logits(hs[L - 1]).argmax(-1)
             m = weights.reshape(-1)
+            final_counts += torch.bincount(final_top.reshape(-1)[m].cpu(), minlength=V).double()
             for l in range(L):
                 logits = self.dec.logits(hs[l]).reshape(-1, self.model.config.vocab_size)
                 top = logits.argmax(-1)
@@ -181,22 +198,30 @@ class LayerSkipTask:
                 sums[2, l] += float(((top == final_top.reshape(-1)) & m).sum())
             sums[:, L] += float(m.sum())
         sums = all_reduce_sum(self.dist, sums.to(self.dist.device)).cpu()
+        final_counts = all_reduce_sum(self.dist, final_counts.to(self.dist.device)).cpu()
         self.model.train(was)
         n = max(float(sums[0, L]), 1.0)
-        return {
+        ev = {
             "eval_tokens": int(sums[0, L]),
             "eval_loss": float(sums[0, L - 1]) / n,
             "exit_loss": [float(x) / n for x in sums[0, :L]],
             "exit_accuracy": [float(x) / n for x in sums[1, :L]],
             "exit_agreement": [float(x) / n for x in sums[2, :L]],
+            "final_top_token_share": float(final_counts.max()) / n,
+            "final_distinct_tokens": int((final_counts > 0).sum()),
         }
+        caveat = degenerate_caveat(ev)
+        if caveat:
+            ev["caveat"] = caveat
+        return ev
 
     @staticmethod
     def summary(ev: dict) -> str:
         agree = ev["exit_agreement"]
         L = len(agree)
         marks = sorted({max(0, L // 4 - 1), max(0, L // 2 - 1), max(0, 3 * L // 4 - 1)})
-        return f"eval loss {ev['eval_loss']:.3f} | exit agreement " + " ".join(f"L{l + 1}:{agree[l]:.0%}" for l in marks)
+        line = f"eval loss {ev['eval_loss']:.3f} | exit agreement " + " ".join(f"L{l + 1}:{agree[l]:.0%}" for l in marks)
+        return line + (f" | caveat: {ev['caveat']}" if ev.get("caveat") else "")
 
     # ---- saving ----------------------------------------------------------------------------
 

@@ -36,7 +36,7 @@ from selfspec.training import plots
 from selfspec.training.config import TrainConfig
 from selfspec.training.data import sequence_order
 from selfspec.training.distributed import Dist, all_reduce_sum, any_rank, barrier, sum_gradients
-from selfspec.training.schedules import lr_at
+from selfspec.training.schedules import lr_at, replan_on_resume
 
 METRICS = "metrics.jsonl"
 LOSS_CURVE = "loss_curve.png"
@@ -156,10 +156,22 @@ def run_loop(
         raise SelfSpecError(f"--batch-size {B} must be a multiple of the number of processes ({d.world})")
     optimizer = torch.optim.AdamW(task.param_groups(loop.weight_decay), lr=loop.lr, betas=(0.9, loop.adam_beta2), eps=1e-8)
     step, tokens, train_s = 0, 0, 0.0
+    # The schedules' horizons: the curricula (layer dropout, exits) keep the run's first
+    # --max-steps, the learning rate may be re-planned when a resume changes it.
+    horizon, replan, change = loop.max_steps, None, None
     if resume_state is not None:
         optimizer.load_state_dict(resume_state["optimizer"])
         step, tokens, train_s = resume_state["step"], resume_state["tokens"], resume_state["train_seconds"]
         ckpt.set_rng_state(resume_state["rng"])
+        saved = resume_state.get("schedule") or {}
+        old_total = resume_state["config"]["loop"]["max_steps"]
+        horizon = saved.get("curriculum_steps", old_total)
+        replan = tuple(saved["lr_replan"]) if saved.get("lr_replan") else None
+        replan, change = replan_on_resume(step, loop.lr, loop.warmup_steps, loop.min_lr_ratio, old_total, loop.max_steps, replan)
+        if change and hasattr(task, "curriculum_steps"):
+            change += f"; the layer-dropout and exit curricula keep their horizon (step {horizon})"
+    if hasattr(task, "curriculum_steps"):
+        task.curriculum_steps = horizon
     metrics = MetricsLog(out / METRICS, step, d.is_main)
     n_seq, T = task.num_sequences(), task.tokens_per_sequence()
 
@@ -173,7 +185,8 @@ def run_loop(
     def save() -> None:
         if d.is_main:
             state = {"step": step, "tokens": tokens, "train_seconds": train_s, "optimizer": optimizer.state_dict(),
-                     "rng": ckpt.rng_state(), "config": cfg.to_dict(), "world": d.world}
+                     "rng": ckpt.rng_state(), "config": cfg.to_dict(), "world": d.world,
+                     "schedule": {"curriculum_steps": horizon, "lr_replan": list(replan) if replan else None}}
             ckpt.write_checkpoint(out, step, task.save_weights, state, loop.keep_checkpoints)
         barrier(d)
 
@@ -184,13 +197,15 @@ def run_loop(
     bar = _Progress(d.is_main and not loop.no_progress, loop.max_steps, step, title or cfg.recipe)
     if last_eval is not None:
         bar.log(f"step {step}: {task.summary(last_eval)}", log)
+    if change:
+        bar.log(f"resume: {change}", log)
     stopped_by = "max_steps"
     task.train(True)
     try:
         with _Interrupt() as interrupt:
             while step < loop.max_steps:
                 t0 = time.perf_counter()
-                lr = lr_at(step, loop.lr, loop.warmup_steps, loop.max_steps, loop.min_lr_ratio)
+                lr = lr_at(step, loop.lr, loop.warmup_steps, loop.max_steps, loop.min_lr_ratio, replan)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
                 indices = sequence_order(n_seq, loop.seed, step * B * A, B * A)

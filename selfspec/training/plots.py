@@ -59,6 +59,9 @@ def loss_curve(records: list[dict], path: Path, title: str = "") -> None:
                 ax.plot(range(1, len(first) + 1), first, "o--", ms=3, alpha=0.6, label=f"step {evals[0]['step']}")
             ax.set_xlabel("exit after layer")
             ax.set_ylabel("top-1 agreement with the last layer")
+            if last.get("caveat"):  # a degenerate last layer (see layerskip.degenerate_caveat)
+                ax.set_title(f"caveat: the last layer predicts one token at {last['final_top_token_share']:.0%} of positions",
+                             fontsize=8, color="#a40")
         else:
             steps = [r["step"] for r in evals]
             ax.plot(steps, [r["eval"]["adapter_agreement"] for r in evals], "o-", ms=3, label="exit adapter")

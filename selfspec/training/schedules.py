@@ -31,14 +31,47 @@ from __future__ import annotations
 import math
 
 
-def lr_at(step: int, peak: float, warmup: int, total: int, min_ratio: float) -> float:
+def lr_at(step: int, peak: float, warmup: int, total: int, min_ratio: float,
+          replan: tuple[int, float] | None = None) -> float:
     """Linear warm-up to `peak` over `warmup` steps, then a cosine to peak*min_ratio at `total`.
-    `step` is 0-based: the learning rate used by the (step+1)-th optimizer update."""
+    `step` is 0-based: the learning rate used by the (step+1)-th optimizer update.
+
+    replan = (s0, lr0): a run resumed at step s0 with a new `total` (see replan_on_resume):
+    from s0 on, a cosine from lr0, the rate the old schedule gave step s0, to the same floor
+    at the new `total`, so the rate never jumps."""
+    floor = peak * min_ratio
+    if replan is not None and step >= replan[0]:
+        s0, lr0 = replan
+        progress = min(1.0, (step - s0) / max(1, total - s0))
+        return floor + (lr0 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
     if warmup > 0 and step < warmup:
         return peak * (step + 1) / warmup
     span = max(1, total - warmup)
     progress = min(1.0, (step - warmup) / span)
-    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def replan_on_resume(step: int, peak: float, warmup: int, min_ratio: float, old_total: int, new_total: int,
+                     replan: tuple[int, float] | None) -> tuple[tuple[int, float] | None, str | None]:
+    """The learning-rate plan of a run resumed at `step` whose --max-steps changed from
+    old_total to new_total: (replan for lr_at, what changed, to print; None if nothing did).
+
+    Restarting the schedule with the new horizon would jump the rate (1.06e-4 at step 20 ->
+    3.39e-4 at step 21 for a 20-step run extended to 40); instead the rest of the run follows
+    a cosine from the current rate down to the same floor at the new horizon. During the
+    warm-up nothing needs re-planning: the warm-up finishes and the cosine ends at new_total."""
+    if new_total == old_total or step >= new_total:
+        return replan, None
+    change = f"--max-steps {old_total} -> {new_total}"
+    if replan is None and step < warmup:
+        return None, f"{change}: the warm-up continues and the learning-rate cosine now ends at step {new_total}"
+    lr0 = lr_at(step, peak, warmup, old_total, min_ratio, replan)
+    floor = peak * min_ratio
+    if lr0 <= floor * (1 + 1e-9):
+        return (step, lr0), (f"{change}: the learning rate had decayed to its floor {floor:.3g}; the extra steps keep it "
+                             "(to train at a higher rate, start a new run from the model)")
+    return (step, lr0), (f"{change}: the learning rate is re-planned from {lr0:.3g} at step {step} down to {floor:.3g} at "
+                         f"step {new_total} (a cosine, no jump)")
 
 
 def depth_factor(layer: int, num_layers: int, schedule: str) -> float:
