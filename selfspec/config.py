@@ -11,7 +11,7 @@ import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields, replace
 
-from selfspec.errors import SelfSpecError
+from selfspec.errors import SelfSpecError, unknown_choice
 
 STRATEGIES = ("autoregressive", "early-exit", "layer-skip", "exit-adapter", "draft-model", "prompt-lookup", "auto")
 SELF_DRAFTING = ("early-exit", "layer-skip", "exit-adapter")
@@ -203,7 +203,7 @@ class DraftConfig:
         object.__setattr__(self, "skip_attn", _sorted_set(self.skip_attn))
         object.__setattr__(self, "skip_mlp", _sorted_set(self.skip_mlp))
         if self.strategy not in STRATEGIES:
-            raise ConfigError(f"unknown strategy {self.strategy!r}; choose from {', '.join(STRATEGIES)}", "strategy")
+            raise ConfigError(unknown_choice("strategy", self.strategy, STRATEGIES), "strategy")
         if self.lookup_first and self.strategy not in SELF_DRAFTING:
             raise ConfigError(f"lookup_first combines prompt lookup with {', '.join(SELF_DRAFTING)}, not {self.strategy}", "lookup_first")
         used = self.used_fields()

@@ -127,3 +127,8 @@ def test_server_settings_are_typed():
     assert (s.max_concurrency, s.queue_timeout_s, s.allow_request_draft, s.aliases) == (4, 2.5, False, ("x",))
     with pytest.raises(ConfigTypeError, match="max_concurrency must be an integer"):
         ServerSettings(max_concurrency="many")
+
+
+def test_unknown_strategy_names_the_closest():
+    with pytest.raises(ConfigError, match="unknown strategy 'erly-exit'; did you mean early-exit"):
+        DraftConfig.from_dict({"strategy": "erly-exit"})
