@@ -409,4 +409,5 @@ def load(
     sd, config, tok, name = load_source(source, tokenizer)
     spec = ModelSpec.from_hf_config(config)
     runtime = Runtime.from_state_dict(spec, sd, config, torch_dtype, device)
+    runtime.warm_up()
     return SelfSpecModel(runtime, resolve_tokenizer(tok), name, chat_template)

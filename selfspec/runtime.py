@@ -141,6 +141,16 @@ class Runtime:
                 hidden=s.hidden_size, heads=s.num_heads, kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                 inter=self.layers[0]["w_down"].shape[0], eps=s.rms_norm_eps, attn_scale=s.attn_scale,
                 activation=s.activation, qk_norm=s.qk_norm, sandwich=s.sandwich_norms, layers=self.layers, dtype=dtype)
+        self._ensure_rope(1)  # the rotary tables (and the transformers modules they come from) at load, not at the first prompt
+
+    def warm_up(self) -> None:
+        """One short pass, so that a process's first prompt does not pay one-time costs (the
+        OpenMP thread team, first touches of the kernels' code and buffers)."""
+        with torch.inference_mode():
+            ids = torch.zeros(2, dtype=torch.long, device=self.device)
+            cache = self.new_cache(4)
+            self.forward(ids, 0, cache)
+            self.forward(ids[:1], 2, cache)
 
     @classmethod
     def from_state_dict(cls, spec: ModelSpec, state_dict: dict, hf_config, dtype=torch.float32, device="cpu"):
