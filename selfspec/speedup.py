@@ -152,13 +152,18 @@ class CostModel:
 
 
 def _costs_path(identity: dict):
+    """Where costs measured for `identity` are kept: $SELFSPEC_COSTS_DIR when set (the test
+    suite points it at a temporary directory, so no run sees another's timings), else
+    costs/ under the selfspec cache."""
     import hashlib
     import json
+    import os
+    from pathlib import Path
 
     from selfspec.loading import cache_root
 
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
-    return cache_root() / "costs" / f"{key}.json"
+    return Path(os.environ.get("SELFSPEC_COSTS_DIR") or cache_root() / "costs") / f"{key}.json"
 
 
 def load_costs(identity: dict) -> CostModel | None:

@@ -2,6 +2,8 @@
 
 * Tiny random-weight models of every supported architecture (built once per session).
 * The real default model (`gemma-3-270m`), loaded ONCE per session, for tests marked slow.
+* Measured costs (auto's cost model) go to a temporary directory, never the user's cache:
+  no run sees timings another run measured.
 
 Torch runs single-threaded here: the tiny models are far too small to gain from threads,
 and on a busy 2-core CI box OpenMP's spinning makes multi-threaded tiny matmuls ~100x
@@ -50,3 +52,16 @@ def default_model():
     import selfspec
 
     return selfspec.load("gemma-3-270m", dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_cost_cache(tmp_path_factory):
+    """Measured costs in a fresh directory for this session (subprocesses inherit it). Only
+    the costs: the rest of the selfspec cache holds the converted default model (1.1 GB)."""
+    old = os.environ.get("SELFSPEC_COSTS_DIR")
+    os.environ["SELFSPEC_COSTS_DIR"] = str(tmp_path_factory.mktemp("costs"))
+    yield
+    if old is None:
+        os.environ.pop("SELFSPEC_COSTS_DIR", None)
+    else:
+        os.environ["SELFSPEC_COSTS_DIR"] = old
