@@ -1,7 +1,8 @@
 """Fixtures shared by the whole suite.
 
 * Tiny random-weight models of every supported architecture (built once per session).
-* The real default model (`gemma-3-270m`), loaded ONCE per session, for tests marked slow.
+* The real default model (`gemma-3-270m`), loaded ONCE per session (float32, and bfloat16
+  for the bf16 tests), for tests marked slow.
 * Measured costs (auto's cost model) go to a temporary directory, never the user's cache:
   no run sees timings another run measured.
 
@@ -52,6 +53,15 @@ def default_model():
     import selfspec
 
     return selfspec.load("gemma-3-270m", dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def default_model_bf16():
+    """The real Gemma 3 270M in bfloat16 (what users run on the CPU: the fused kernels where
+    they build)."""
+    import selfspec
+
+    return selfspec.load("gemma-3-270m", dtype="bfloat16", device="cpu")
 
 
 @pytest.fixture(scope="session", autouse=True)
