@@ -484,12 +484,19 @@ def test_search_writes_a_usable_profile_and_resumes(search_model_dir, tmp_path):
 def test_search_two_workers_share_one_study(search_model_dir, tmp_path):
     out = tmp_path / "w"
     storage = f"sqlite:///{tmp_path / 'shared.db'}"
-    r = _search(search_model_dir, out, "--n-trials", "16", "--workers", "2", "--storage", storage, "--no-confirm",
+    r = _search(search_model_dir, out, "--n-trials", "8", "--workers", "2", "--storage", storage, "--no-confirm",
                 "--dataset", "code")
-    assert r.returncode == 0, r.stderr
-    trials = json.loads((out / "search.json").read_text())["trials"]
-    assert len(trials) >= 10
-    assert {t["worker"] for t in trials} == {0, 1}, [t["worker"] for t in trials]
+    assert r.returncode == 0, r.stderr  # the worker process exited 0 too (else the run fails)
+    summary = json.loads((out / "search.json").read_text())
+    trials = summary["trials"]
+    assert len(trials) >= 8 and {t["worker"] for t in trials} <= {0, 1}
+    # Both processes joined the one study (each leaves its start-line marker in it). How the
+    # trials split between them is scheduling: a worker that finishes calibrating first may
+    # run them all, so that is not asserted.
+    import optuna
+
+    study = optuna.load_study(study_name=summary["metrics"]["study_name"], storage=storage)
+    assert {k.split("_")[1] for k in study.user_attrs if k.startswith("ready_")} == {"0", "1"}, study.user_attrs
 
 
 @pytest.mark.parametrize("args, fragments", [
