@@ -1,7 +1,7 @@
 """Speculative sampling preserves the target distribution, strategy by strategy: auto, exit
 adapters with lookup-first, thresholds (adaptive) with a restricted draft vocabulary; all in
 bfloat16, what users run on the CPU (the fused kernels where they build: also ~4x cheaper
-per sample than float32 on a tiny model, which 21,600 samples per test need; test_sampling
+per sample than float32 on a tiny model, which 16,300 samples per test need; test_sampling
 covers the float32 strategies).
 
 Each test samples short continuations with a strategy, a different seed per sample, and
@@ -43,7 +43,7 @@ POWER = 0.95  # the chance that a sampler TV away from the target fails
 # Pearson's statistic on k <= 12 cells against the exact p has noncentrality
 # lambda = n * chi2(q || p) >= n * (2 TV)^2 (Cauchy-Schwarz: (sum |q - p|)^2 <= sum (q - p)^2 / p).
 # P(noncentral chi2(11, 4 n TV^2) > chi2.isf(ALPHA / 2, 11)) >= 0.95 needs n >= 16,245
-# (0.99 would need 19,415; the same at ALPHA = 1e-6 21,525: each costs 1.2-1.6 ms):
+# (power 0.99 would need 19,415, and 21,525 at ALPHA = 1e-6; a sample costs 1.5-4 ms here):
 N_SAMPLES = 16_300
 MIN_EXPECTED = 5  # cells expected fewer times are pooled into one
 
