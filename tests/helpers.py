@@ -142,6 +142,25 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids]), use_cache=False).logits[0].float()
 
 
+def assert_plain(result):
+    """`result` came from plain decoding: one token per step and no draft slots at all (only
+    the autoregressive drafter has K = 0; auto has K >= 1 even on steps it does not draft)."""
+    s = result.stats
+    assert s.per_position_drafted == [] and s.drafted == 0 and not any(result.drafted_mask), \
+        f"the reference drafted: K={len(s.per_position_drafted)}, drafted={s.drafted}"
+    assert s.verify_steps == len(result.token_ids) - 1
+    return result
+
+
+def ar_generate(model, prompt, **kw):
+    """The reference of every lossless test: plain autoregressive decoding, pinned (the
+    default strategy, auto, drafts) and checked to be plain. kw: generation options only."""
+    named = {"strategy", "draft", "profile"} & kw.keys()
+    if named:
+        raise TypeError(f"ar_generate pins the strategy; do not pass {sorted(named)}")
+    return assert_plain(model.generate(prompt, strategy="autoregressive", **kw))
+
+
 def state_snapshot(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 

@@ -133,8 +133,8 @@ def test_no_template_and_no_family_template_is_a_clear_error(plain_dir, template
     m = selfspec.load(str(plain_dir), dtype="float32", device="cpu")
     assert m.chat_template is None
     with pytest.raises(SelfSpecError, match="no chat template.*--chat-template FILE\\|NAME"):
-        m.generate("the cat", chat=True, max_new_tokens=4)
-    assert m.generate("the cat", max_new_tokens=4).token_ids  # plain completion still works
+        m.generate("the cat", chat=True, max_new_tokens=4, strategy="autoregressive")
+    assert m.generate("the cat", max_new_tokens=4, strategy="autoregressive").token_ids  # plain completion still works
 
     m.set_chat_template(str(template_file))
     ids = m.encode([{"role": "user", "content": "the cat"}], chat=True)
@@ -148,7 +148,7 @@ def test_no_template_and_no_family_template_is_a_clear_error(plain_dir, template
 def test_a_template_that_rejects_the_messages_is_one_line(plain_dir):
     m = selfspec.load(str(plain_dir), dtype="float32", device="cpu", chat_template="gemma")
     with pytest.raises(SelfSpecError, match="the chat template rejected the messages: Conversation roles must alternate"):
-        m.generate([{"role": "user", "content": "the cat"}, {"role": "user", "content": "the dog"}], chat=True)
+        m.generate([{"role": "user", "content": "the cat"}, {"role": "user", "content": "the dog"}], chat=True, strategy="autoregressive")
 
 
 def test_an_explicit_template_overrides_the_tokenizers_own(tmp_path, template_file):
@@ -178,7 +178,7 @@ def test_generate_chat_template_flag(plain_dir, template_file):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     m = selfspec.load(str(plain_dir), dtype="float32", device="cpu", chat_template=str(template_file))
-    ref = m.generate("the cat", chat=True, max_new_tokens=8)
+    ref = m.generate("the cat", chat=True, max_new_tokens=8, strategy="autoregressive")
     assert out["token_ids"] == ref.token_ids and out["prompt_tokens"] == ref.prompt_tokens
     r = _gen(plain_dir, "--chat", "--chat-template", "chatml")
     assert r.returncode == 0, r.stderr
@@ -221,7 +221,7 @@ def test_server_chat_with_a_template_flag(plain_dir, template_file, tmp_path):
     try:
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=60)
         msgs = [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "sat"}, {"role": "user", "content": "and"}]
-        ref = m.generate(msgs, chat=True, max_new_tokens=12, temperature=0)
+        ref = m.generate(msgs, chat=True, max_new_tokens=12, temperature=0, strategy="autoregressive")
         r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0)
         assert r.choices[0].message.content == ref.text and r.usage.prompt_tokens == ref.prompt_tokens
         assert "chat template: the chat template" in s.log()

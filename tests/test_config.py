@@ -108,7 +108,7 @@ def test_profile_fields_follow_the_strategy(zoo, tmp_path):
     with pytest.raises(SelfSpecError, match="profile drafts with early-exit"):
         m.draft_config("prompt-lookup", profile=str(path))
     with pytest.raises(SelfSpecError, match="exit_layer is not used by the auto strategy"):
-        m.generate([1, 2, 3], max_new_tokens=2, exit_layer=2)
+        m.generate([1, 2, 3], max_new_tokens=2, strategy="auto", exit_layer=2)
 
 
 def test_ray_builder_args_are_typed():

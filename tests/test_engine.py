@@ -5,6 +5,9 @@ the drafts were; stop conditions (EOS, max_new_tokens, stop strings) must fire a
 token as in plain decoding, even in the middle of a block of accepted drafts; statistics
 must count exactly what happened. An *oracle* drafter (drafts = the known autoregressive
 continuation with errors injected at chosen places) pins acceptance down exactly.
+
+Every reference is plain decoding, pinned (helpers.ar_generate / _ar): the default strategy,
+auto, drafts, and a bug shared by auto and a strategy would cancel out against it.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from selfspec.drafters import Draft, Drafter, make_drafter
 from selfspec.engine import generate
 from selfspec.errors import SelfSpecError
 
-from helpers import ARCHS, VOCAB, build_hf, prompts, word_tokenizer
+from helpers import ARCHS, VOCAB, ar_generate, assert_plain, build_hf, prompts, word_tokenizer
 
 GREEDY = SamplingConfig()
 N_NEW = 30
@@ -40,6 +43,17 @@ STRATEGIES = [
     ("pl-ngram1-K16", dict(strategy="prompt-lookup", max_ngram=1, num_speculations=16)),
     ("dm-K4", dict(strategy="draft-model")),
     ("dm-K16", dict(strategy="draft-model", num_speculations=16)),
+]
+
+# Built by the model (auto needs its costs, exit-adapter its adapter file): the lossless matrix only.
+MODEL_STRATEGIES = [
+    ("ee-E2-K4-lookup-first", dict(strategy="early-exit", exit_layer=2, num_speculations=4, lookup_first=True)),
+    ("ls-mlp1-K3-lookup-first", dict(strategy="layer-skip", skip_mlp=(1,), num_speculations=3, lookup_first=True)),
+    ("ad-E2-K5", dict(strategy="exit-adapter", num_speculations=5)),
+    ("ad-E2-K3-lookup-first-adaptive", dict(strategy="exit-adapter", num_speculations=3, lookup_first=True, adaptive=True)),
+    ("auto", dict(strategy="auto")),
+    ("auto-ee-E1-K6", dict(strategy="auto", base=DraftConfig("early-exit", exit_layer=1, num_speculations=6))),
+    ("auto-ls-mlp02", dict(strategy="auto", base=DraftConfig("layer-skip", skip_mlp=(0, 2)))),
 ]
 
 
@@ -69,23 +83,52 @@ def _token_frequencies(model, seed: int = 0) -> None:
     model.set_token_frequencies(torch.randperm(model.spec.vocab_size, generator=torch.Generator().manual_seed(seed)))
 
 
-def _cfg(kw: dict, draft_model_dir: str) -> dict:
+@pytest.fixture(scope="session")
+def adapter_path(tmp_path_factory) -> str:
+    """A random exit adapter with attention at exit layer 2 (hidden 64: every tiny arch)."""
+    from selfspec.adapter import AdapterMeta, ExitAdapter, save_adapter
+
+    a = ExitAdapter(AdapterMeta(exit_layer=2, hidden_size=64, inner_size=16, heads=2, head_dim=8))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        a.down.copy_(torch.randn(a.down.shape, generator=g) * 0.5)
+        a.out.copy_(torch.randn(a.out.shape, generator=g) * 0.5)
+    path = tmp_path_factory.mktemp("adapter") / "adapter.safetensors"
+    save_adapter(a, path)
+    return str(path)
+
+
+def _cfg(kw: dict, draft_model_dir: str, adapter: str | None = None) -> dict:
     kw = dict(kw)
     if kw["strategy"] == "draft-model":
         kw["draft_model"] = draft_model_dir
+    if kw["strategy"] == "exit-adapter":
+        kw["adapter"] = adapter
     return kw
 
 
 def _ar(model, prompt, n=N_NEW, eos_ids=(), tokenizer=None, gen=None):
+    """Plain decoding through the engine with chosen EOS ids / tokenizer (ar_generate uses the model's)."""
     rt = model.runtime
-    return generate(rt, make_drafter(rt, DraftConfig("autoregressive"), eos_ids), prompt, gen or GenerationConfig(n), GREEDY,
-                    tokenizer, eos_ids)
+    return assert_plain(generate(rt, make_drafter(rt, DraftConfig("autoregressive"), eos_ids), prompt, gen or GenerationConfig(n),
+                                 GREEDY, tokenizer, eos_ids))
 
 
-def _check_stats(res, K: int):
+@pytest.fixture(scope="session")
+def ar_cache() -> dict:
+    """(arch, prompt) -> plain greedy continuation of N_NEW tokens: the matrix below asks for
+    each one 22 times."""
+    return {}
+
+
+def _check_stats(res, K: int | None):
+    """K: the configured draft length (None: auto chooses its base, and K with it, per prompt)."""
     s = res.stats
     assert s.new_tokens == len(res.token_ids)
     assert len(res.drafted_mask) == len(res.token_ids)
+    if K is None:
+        K = len(s.per_position_drafted)
+        assert K >= 1
     assert len(s.per_position_drafted) == K and len(s.per_position_accepted) == K
     assert s.drafted == sum(s.per_position_drafted)
     assert s.accepted == sum(s.per_position_accepted)
@@ -103,23 +146,27 @@ def _check_stats(res, K: int):
 # ---- losslessness ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name,kw", STRATEGIES, ids=[s[0] for s in STRATEGIES])
+@pytest.mark.parametrize("name,kw", STRATEGIES + MODEL_STRATEGIES, ids=[s[0] for s in STRATEGIES + MODEL_STRATEGIES])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_strategies_equal_autoregressive(zoo, draft_model_dir, arch, name, kw):
+def test_greedy_strategies_equal_autoregressive(zoo, draft_model_dir, adapter_path, ar_cache, arch, name, kw):
     _, model = zoo.get(arch)
     _token_frequencies(model)
-    kw = _cfg(kw, draft_model_dir)
+    kw = _cfg(kw, draft_model_dir, adapter_path)
     for prompt in _prompts():
-        ar = model.generate(prompt, max_new_tokens=N_NEW)
+        key = (arch, tuple(prompt))
+        if key not in ar_cache:
+            ar_cache[key] = ar_generate(model, prompt, max_new_tokens=N_NEW)
+        ar = ar_cache[key]
         out = model.generate(prompt, max_new_tokens=N_NEW, **kw)
         assert out.token_ids == ar.token_ids, f"{arch}/{name}: prompt {prompt}"
         assert out.finish_reason == "length"
-        _check_stats(out, kw.get("num_speculations", 4))
+        K = kw["base"].num_speculations if "base" in kw else None if kw["strategy"] == "auto" else kw.get("num_speculations", 4)
+        _check_stats(out, K)
 
 
 def test_autoregressive_stats(zoo):
     _, model = zoo.get("llama")
-    out = model.generate(prompts(n=1)[0], max_new_tokens=12, strategy="autoregressive")
+    out = ar_generate(model, prompts(n=1)[0], max_new_tokens=12)
     s = out.stats
     assert (s.drafted, s.accepted, s.verify_steps, s.new_tokens) == (0, 0, 11, 12)
     assert s.per_position_drafted == [] and s.mean_accepted_length == 1.0
@@ -173,7 +220,7 @@ def test_draft_model_with_draft_vocab(zoo, draft_model_dir):
     _, model = zoo.get("llama")
     _token_frequencies(model)
     prompt = _prompts()[0]
-    ar = model.generate(prompt, max_new_tokens=N_NEW)
+    ar = ar_generate(model, prompt, max_new_tokens=N_NEW)
     out = model.generate(prompt, max_new_tokens=N_NEW, strategy="draft-model", draft_model=draft_model_dir, draft_vocab=40)
     assert out.token_ids == ar.token_ids
 
@@ -183,8 +230,8 @@ def test_strategies_in_sequence_share_one_model(zoo, draft_model_dir):
     _, model = zoo.get("qwen3")
     _token_frequencies(model)
     prompt_a, prompt_b = _prompts()[:2]
-    ar_a = model.generate(prompt_a, max_new_tokens=N_NEW).token_ids
-    ar_b = model.generate(prompt_b, max_new_tokens=N_NEW).token_ids
+    ar_a = ar_generate(model, prompt_a, max_new_tokens=N_NEW).token_ids
+    ar_b = ar_generate(model, prompt_b, max_new_tokens=N_NEW).token_ids
     for _ in range(2):
         for _, kw in STRATEGIES[::3]:
             kw = _cfg(kw, draft_model_dir)
@@ -197,7 +244,7 @@ def test_bfloat16_strategies_equal_autoregressive(zoo, draft_model_dir, arch):
     _, model = zoo.get(arch, dtype="bfloat16")
     _token_frequencies(model)
     for prompt in _prompts()[:2]:
-        ar = model.generate(prompt, max_new_tokens=N_NEW).token_ids
+        ar = ar_generate(model, prompt, max_new_tokens=N_NEW).token_ids
         for _, kw in STRATEGIES[1::2]:
             assert model.generate(prompt, max_new_tokens=N_NEW, **_cfg(kw, draft_model_dir)).token_ids == ar
 
@@ -381,12 +428,13 @@ def test_model_eos_from_config_stops_generation(draft_model_dir):
     """The model config's eos_token_id is honoured by SelfSpecModel.generate."""
     hf = build_hf("llama", seed=2)
     prompt = prompts(n=1)[0]
-    cont = selfspec.load(hf, dtype="float32").generate(prompt, max_new_tokens=N_NEW).token_ids
+    cont = ar_generate(selfspec.load(hf, dtype="float32"), prompt, max_new_tokens=N_NEW).token_ids
     j = _first_occurrences(cont, 3, N_NEW)[0]
     hf.config.eos_token_id = cont[j]
     m = selfspec.load(hf, dtype="float32")
     assert cont[j] in m.eos_token_ids
-    for kw in (dict(), dict(strategy="early-exit", exit_layer=3), dict(strategy="layer-skip", skip_mlp=[2])):
+    for kw in (dict(strategy="auto"), dict(strategy="autoregressive"), dict(strategy="early-exit", exit_layer=3),
+               dict(strategy="layer-skip", skip_mlp=[2])):
         out = m.generate(prompt, max_new_tokens=N_NEW, **kw)
         assert out.token_ids == cont[: j + 1] and out.finish_reason == "eos"
 
@@ -442,7 +490,7 @@ def test_stop_strings_every_strategy(text_model, draft_model_dir):
     checked = 0
     for prompt in _prompts()[:3]:
         text_prompt = tok.decode(prompt)
-        ar_full = model.generate(text_prompt, max_new_tokens=N_NEW)
+        ar_full = ar_generate(model, text_prompt, max_new_tokens=N_NEW)
         ids = ar_full.token_ids
         assert ar_full.text == tok.decode(ids, skip_special_tokens=True)
         for name, kw in STRATEGIES[::2]:
@@ -455,7 +503,7 @@ def test_stop_strings_every_strategy(text_model, draft_model_dir):
                 words = tok.decode(ids[b : b + 2]).split(" ")
                 stop = words[0][-2:] + " " + words[1][:2]  # straddles the boundary
                 exp = _expected_stop(ids, tok, [stop])
-                ar = model.generate(text_prompt, max_new_tokens=N_NEW, stop=[stop])
+                ar = ar_generate(model, text_prompt, max_new_tokens=N_NEW, stop=[stop])
                 out = model.generate(text_prompt, max_new_tokens=N_NEW, stop=[stop], **kw)
                 assert (out.token_ids, out.text, out.finish_reason) == (ar.token_ids, ar.text, ar.finish_reason), name
                 assert (ar.token_ids, ar.text) == exp
@@ -467,7 +515,7 @@ def test_stop_strings_every_strategy(text_model, draft_model_dir):
 def test_streaming_events_reassemble_the_result(text_model):
     model, tok = text_model
     prompt = tok.decode(_prompts()[0])
-    for kw in (dict(), dict(strategy="early-exit", exit_layer=3, num_speculations=4)):
+    for kw in (dict(strategy="auto"), dict(strategy="early-exit", exit_layer=3, num_speculations=4)):
         events = []
         res = model.generate(prompt, max_new_tokens=N_NEW, on_event=events.append, **kw)
         assert [e.token_id for e in events] == res.token_ids
@@ -539,20 +587,20 @@ def test_unknown_generate_option(zoo):
 def test_bad_prompts(zoo):
     _, model = zoo.get("llama")
     with pytest.raises(SelfSpecError):
-        model.generate([], max_new_tokens=2)
+        model.generate([], max_new_tokens=2, strategy="auto")
     with pytest.raises(SelfSpecError):
-        model.generate([1, VOCAB], max_new_tokens=2)
+        model.generate([1, VOCAB], max_new_tokens=2, strategy="auto")
     with pytest.raises(SelfSpecError):
-        model.generate("text without a tokenizer", max_new_tokens=2)
+        model.generate("text without a tokenizer", max_new_tokens=2, strategy="auto")
     with pytest.raises(SelfSpecError):
-        model.generate([1] * 512, max_new_tokens=2)  # context is 512
+        model.generate([1] * 512, max_new_tokens=2, strategy="auto")  # context is 512
 
 
 def test_generation_near_the_context_end(zoo):
     """The budget shrinks to the context: the last position is max_position_embeddings-1."""
     _, model = zoo.get("llama")
     prompt = (prompts(n=1, lengths=(505,))[0])
-    ar = model.generate(prompt, max_new_tokens=50)
+    ar = ar_generate(model, prompt, max_new_tokens=50)
     assert len(ar.token_ids) == 512 - 505
     ee = model.generate(prompt, max_new_tokens=50, strategy="early-exit", exit_layer=2, num_speculations=16)
     assert ee.token_ids == ar.token_ids
@@ -563,7 +611,7 @@ def test_draft_vocab_without_frequencies_is_a_clear_error():
     with pytest.raises(SelfSpecError):
         m.generate([1, 2, 3], max_new_tokens=4, strategy="early-exit", exit_layer=2, draft_vocab=10)
     m.set_token_frequencies(torch.arange(VOCAB).flip(0))
-    ar = m.generate([1, 2, 3], max_new_tokens=12).token_ids
+    ar = ar_generate(m, [1, 2, 3], max_new_tokens=12).token_ids
     assert m.generate([1, 2, 3], max_new_tokens=12, strategy="early-exit", exit_layer=2, draft_vocab=10).token_ids == ar
 
 
@@ -571,10 +619,10 @@ def test_streaming_with_stop_string(text_model):
     """Streamed deltas never show the stop string and add up to the final text."""
     model, tok = text_model
     prompt = tok.decode(_prompts()[1])
-    ids = model.generate(prompt, max_new_tokens=N_NEW).token_ids
+    ids = ar_generate(model, prompt, max_new_tokens=N_NEW).token_ids
     words = tok.decode(ids[9:11]).split(" ")
     stop = words[0][-2:] + " " + words[1][:2]
-    for kw in (dict(), dict(strategy="early-exit", exit_layer=3, num_speculations=4), dict(strategy="prompt-lookup")):
+    for kw in (dict(strategy="auto"), dict(strategy="early-exit", exit_layer=3, num_speculations=4), dict(strategy="prompt-lookup")):
         events = []
         res = model.generate(prompt, max_new_tokens=N_NEW, stop=[stop], on_event=events.append, **kw)
         assert res.finish_reason == "stop"
@@ -591,13 +639,13 @@ def test_eos_text_does_not_depend_on_streaming_or_stop_strings():
     tok = word_tokenizer(VOCAB)
     hf = build_hf("llama", seed=0)
     prompt = _prompts()[0]
-    ids = selfspec.load(hf, dtype="float32", tokenizer=tok).generate(prompt, max_new_tokens=N_NEW).token_ids
+    ids = ar_generate(selfspec.load(hf, dtype="float32", tokenizer=tok), prompt, max_new_tokens=N_NEW).token_ids
     j = _first_occurrences(ids, 3, N_NEW)[0]
     hf.config.eos_token_id = ids[j]
     m = selfspec.load(hf, dtype="float32", tokenizer=tok)
-    plain = m.generate(prompt, max_new_tokens=N_NEW)
-    with_stop = m.generate(prompt, max_new_tokens=N_NEW, stop=["never occurs"])
-    streamed = m.generate(prompt, max_new_tokens=N_NEW, on_event=lambda e: None)
+    plain = ar_generate(m, prompt, max_new_tokens=N_NEW)
+    with_stop = ar_generate(m, prompt, max_new_tokens=N_NEW, stop=["never occurs"])
+    streamed = ar_generate(m, prompt, max_new_tokens=N_NEW, on_event=lambda e: None)
     assert plain.finish_reason == with_stop.finish_reason == streamed.finish_reason == "eos"
     assert plain.token_ids == with_stop.token_ids == streamed.token_ids == ids[: j + 1]
     assert with_stop.text == streamed.text == tok.decode(ids[:j], skip_special_tokens=True)

@@ -36,7 +36,7 @@ def test_memory_is_bounded_over_many_draft_configurations():
     rss = []
     for i, (cfg, p) in enumerate(zip(configs, ps)):
         m.generate(p, max_new_tokens=6, draft=cfg)
-        m.generate(p + p[:4], max_new_tokens=6)  # auto
+        m.generate(p + p[:4], max_new_tokens=6, strategy="auto")
         assert len(m._drafters) <= MAX_DRAFTERS and len(m._draft_heads) <= MAX_DRAFT_HEADS
         if i in (100, 299):
             rss.append(_rss_mb())
@@ -60,7 +60,7 @@ def test_concurrent_generate_calls_equal_solo_calls():
             dict(strategy="early-exit", exit_layer=2, num_speculations=3, temperature=0.9, seed=7),
             dict(strategy="layer-skip", skip_mlp=(1, 2)),
             dict(strategy="autoregressive", temperature=1.1, top_p=0.9, seed=3),
-            dict(),  # auto
+            dict(strategy="auto"),
             dict(strategy="prompt-lookup", temperature=0.8, seed=11)]
     ps = prompts(n=len(jobs), lengths=(7, 12, 5), seed=9)
     solo = [m.generate(p, max_new_tokens=24, **kw).token_ids for p, kw in zip(ps, jobs)]

@@ -68,7 +68,7 @@ def test_greedy_generate_matches_transformers(zoo, variant):
     hf, model = zoo.get(arch, **kw)
     for prompt, n in zip(prompts(n=3), (24, 17, 30)):
         ref = hf_greedy(hf, prompt, n)
-        out = model.generate(prompt, max_new_tokens=n)
+        out = model.generate(prompt, max_new_tokens=n, strategy="autoregressive")
         assert out.token_ids == ref
         assert out.finish_reason == "length"
         assert out.prompt_tokens == len(prompt)
@@ -314,11 +314,11 @@ def test_user_model_and_config_not_mutated(arch):
     before_sd, before_cfg = state_snapshot(hf), config_snapshot(hf)
     before_attn = hf.config._attn_implementation
     m = selfspec.load(hf, dtype="float32")
-    m.generate(prompts(n=1)[0], max_new_tokens=8)
+    m.generate(prompts(n=1)[0], max_new_tokens=8, strategy="auto")
     m.generate(prompts(n=1)[0], max_new_tokens=8, strategy="early-exit", exit_layer=2)
     m.generate(prompts(n=1)[0], max_new_tokens=8, strategy="layer-skip", skip_mlp=[1], temperature=1.0, seed=0)
     m16 = selfspec.load(hf, dtype="bfloat16")
-    m16.generate(prompts(n=1)[0], max_new_tokens=4)
+    m16.generate(prompts(n=1)[0], max_new_tokens=4, strategy="auto")
     after_sd = hf.state_dict()
     assert before_sd.keys() == after_sd.keys()
     for k, v in before_sd.items():
@@ -335,7 +335,7 @@ def test_load_tiny_vocabulary(vocab):
     hf = build_hf("llama", seed=0, vocab_size=vocab)
     m = selfspec.load(hf, dtype="float32")
     prompt = [1, 2, 3, 4]
-    assert m.generate(prompt, max_new_tokens=10).token_ids == hf_greedy(hf, prompt, 10)
+    assert m.generate(prompt, max_new_tokens=10, strategy="autoregressive").token_ids == hf_greedy(hf, prompt, 10)
     assert isinstance(m.fingerprint, str) and m.fingerprint
 
 

@@ -30,7 +30,7 @@ from selfspec.predictor.costs import CostModel
 from selfspec.predictor.simulate import Agreement as Signal
 from selfspec.predictor.simulate import expected_tokens, simulate
 
-from helpers import ARCHS, VOCAB, build_hf, prompts, word_tokenizer
+from helpers import ARCHS, VOCAB, ar_generate, build_hf, prompts, word_tokenizer
 from test_cli import ROOT, assert_user_error, run_cli
 
 N_NEW = 32
@@ -70,9 +70,18 @@ def test_simulate_threshold_stop_costs_one_more_draft():
     costs = _fake_costs(L=4)
     cfg = DraftConfig("early-exit", exit_layer=2, num_speculations=3, draft_threshold=0.5)
     pred = simulate(cfg, cal, costs)
-    # step at 0: drafts position 0, stops at 1 (low confidence): 1 drafted + 1 read, accepted 1
-    assert pred.steps >= 1 and pred.drafted >= 1
-    assert pred.accepted == pred.drafted  # everything drafted here matches
+    # step at 0 (k=3): drafts position 0, stops at 1 (confidence 0.1): 1 drafted, accepted, and
+    # position 1 was still run through the draft (its confidence was read); commits 2 tokens.
+    # step at 2 (k = min(3, 4-2-1) = 1): drafts position 2, accepted; commits 2 tokens.
+    assert (pred.steps, pred.drafted, pred.accepted, pred.tokens) == (2, 2, 2, 4)
+    draft = 2 * 1.0 + 2.0  # layers < E + the full head
+    verify_cached = 2 * 1.0 + 2.0  # the stopped position's exit state is cached: layers E.. over 2 rows + head
+    verify_fresh = 2 * 1.0 + verify_cached  # the last draft's input still goes through layers < E
+    assert pred.time_s == pytest.approx((2 * draft + verify_cached) + (draft + verify_fresh))
+    # without the threshold one step drafts all 3 and commits the 4 tokens
+    plain = simulate(cfg.replace(draft_threshold=None), cal, costs)
+    assert (plain.steps, plain.drafted, plain.accepted, plain.tokens) == (1, 3, 3, 4)
+    assert plain.time_s == pytest.approx(3 * draft + verify_fresh)
 
 
 @pytest.fixture(scope="module")
@@ -93,33 +102,56 @@ def calibration(tiny):
 @pytest.mark.parametrize("cfg", [
     DraftConfig("early-exit", exit_layer=3, num_speculations=4),
     DraftConfig("early-exit", exit_layer=1, num_speculations=8),
-    DraftConfig("early-exit", exit_layer=5, num_speculations=3, draft_threshold=0.3),
+    DraftConfig("early-exit", exit_layer=5, num_speculations=3, draft_threshold=0.2),
     DraftConfig("prompt-lookup", num_speculations=3),
     DraftConfig("prompt-lookup", num_speculations=8, max_ngram=1),
     DraftConfig("early-exit", exit_layer=2, num_speculations=4, lookup_first=True),
     DraftConfig("early-exit", exit_layer=4, num_speculations=6, lookup_first=True, max_ngram=1),
 ], ids=lambda c: f"{c.strategy}-{c.exit_layer}-{c.num_speculations}-{c.draft_threshold}-{c.lookup_first}-{c.max_ngram}")
-def test_prediction_replays_the_engine_exactly(tiny, calibration, cfg):
+def test_prediction_replays_the_engine_exactly(tiny, calibration, cfg, monkeypatch):
+    """Step by step: (drafted, accepted) of every verify step of the replay against the engine's."""
+    from selfspec.predictor.simulate import Prediction
     from selfspec.search import predict
 
     cal, ps = calibration
+    replayed, real = [], []
+    step = Prediction.step
+    monkeypatch.setattr(Prediction, "step", lambda self, d, n, t: (replayed.append((d, n)), step(self, d, n, t))[1])
     pred = predict(cfg, cal, tiny.cost_model())
+    drafter = tiny.drafter(cfg)
+    accepted = drafter.accepted
+    monkeypatch.setattr(drafter, "accepted", lambda st, draft, n: (real.append((len(draft.tokens), n)), accepted(st, draft, n))[1])
     stats = [tiny.generate(p, max_new_tokens=N_NEW, draft=cfg).stats for p in ps]
-    real = (sum(s.new_tokens - 1 for s in stats), sum(s.verify_steps for s in stats),
-            sum(s.drafted for s in stats), sum(s.accepted for s in stats))
-    got = (pred.tokens, pred.steps, pred.drafted, pred.accepted)
+    assert len(real) == sum(s.verify_steps for s in stats) and pred.tokens == sum(s.new_tokens - 1 for s in stats)
+    assert sum(n for _, n in real) > 0, "nothing accepted: a replay of rejections only proves little"
     if cfg.draft_threshold is None:
-        assert got == real
-    else:  # confidences computed over many rows at once may round across the threshold
-        assert got[0] == real[0] and abs(got[1] - real[1]) <= 2 and abs(got[3] - real[3]) <= 2
+        assert replayed == real
+    else:
+        # Drafts after a rejected one follow a wrong token: their confidences, and so where a
+        # threshold stops them, are not in the teacher-forced replay (it models them). Up to
+        # and including the first rejected draft every step must match, which needs every
+        # confidence clear of the threshold by more than rounding (the replay computes rows
+        # together, the engine one at a time):
+        margin = min(float(np.abs(sig.conf - cfg.draft_threshold).min()) for sig in cal.signals(("exit", cfg.exit_layer), None))
+        assert margin > 1e-4, "precondition: a threshold away from every confidence"
+        clipped = lambda steps: [(min(d, n + 1), n) for d, n in steps]  # noqa: E731
+        assert clipped(replayed) == clipped(real)
+        assert min(float(sig.conf.min()) for sig in cal.signals(("exit", cfg.exit_layer), None)) < cfg.draft_threshold
 
 
-def test_cost_model_is_monotone_in_rows(tiny):
-    c = tiny.cost_model()
-    for table in (c.attn, c.mlp, c.head):
-        vals = [table[r] for r in sorted(table)]
-        assert vals == sorted(vals)
-    assert c.ar_step > 0 and c.verify(5) >= c.verify(1)
+def test_measured_costs_live_in_the_costs_dir(tmp_path, monkeypatch):
+    """SELFSPEC_COSTS_DIR (the suite sets a temporary one) holds the measured costs, and a new
+    load of the same model reads them back instead of measuring again."""
+    from selfspec.predictor.costs import CostModel as Costs
+
+    monkeypatch.setenv("SELFSPEC_COSTS_DIR", str(tmp_path / "costs"))
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    hf = build_hf("llama", seed=8, num_layers=2)
+    costs = selfspec.load(hf, dtype="float32").cost_model()
+    assert len(list((tmp_path / "costs").glob("*.json"))) == 1 and not (tmp_path / "cache").exists()
+    monkeypatch.setattr(Costs, "measure", lambda *a, **k: pytest.fail("measured again"))
+    again = selfspec.load(hf, dtype="float32").cost_model()
+    assert again.to_dict() == costs.to_dict()
 
 
 def test_lookup_continuation():
@@ -146,12 +178,15 @@ def _ideal(num_layers=6, dead_from=2, seed=1):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_auto_is_lossless_every_arch(zoo, arch):
     _, m = zoo.get(arch)
+    drafted = 0
     for p in prompts(n=2, lengths=(9, 14)):
-        ar = m.generate(p, max_new_tokens=N_NEW)
+        ar = ar_generate(m, p, max_new_tokens=N_NEW)
         for cfg in (DraftConfig("auto"), DraftConfig("auto", base=DraftConfig("early-exit", exit_layer=1, num_speculations=6)),
                     DraftConfig("auto", base=DraftConfig("layer-skip", skip_mlp=(0, 2)))):
             out = m.generate(p, max_new_tokens=N_NEW, draft=cfg)
             assert out.token_ids == ar.token_ids, cfg
+            drafted += out.stats.drafted
+    assert drafted > 0  # auto's drafts were verified, not only plain steps compared
 
 
 def test_auto_sampling_reproducible_for_a_seed(zoo):
@@ -161,24 +196,6 @@ def test_auto_sampling_reproducible_for_a_seed(zoo):
     a = m.generate(p, max_new_tokens=N_NEW, temperature=0.9, top_k=20, seed=11, draft=cfg)
     b = m.generate(p, max_new_tokens=N_NEW, temperature=0.9, top_k=20, seed=11, draft=cfg)
     assert a.token_ids == b.token_ids
-
-
-def test_auto_sampling_preserves_the_distribution():
-    """Chi-square of the first two sampled tokens under auto vs plain sampling."""
-    from scipy.stats import chi2_contingency
-
-    hf = build_hf("llama", seed=4, num_layers=3, vocab_size=8, initializer_range=0.6)
-    m = selfspec.load(hf, dtype="float32")
-    cfg = DraftConfig("auto", base=DraftConfig("early-exit", exit_layer=1, num_speculations=3))
-    counts = {"plain": {}, "auto": {}}
-    for seed in range(500):
-        for name, d in (("plain", DraftConfig("autoregressive")), ("auto", cfg)):
-            t = tuple(m.generate([1, 2, 3], max_new_tokens=3, temperature=1.0, seed=seed, draft=d).token_ids[1:3])
-            counts[name][t] = counts[name].get(t, 0) + 1
-    keys = sorted(set(counts["plain"]) | set(counts["auto"]))
-    table = np.array([[counts[n].get(k, 0) for k in keys] for n in ("plain", "auto")])
-    table = table[:, table.sum(0) >= 10]
-    assert chi2_contingency(table)[1] > 1e-3
 
 
 def _auto(m, base_cfg, costs, **kw) -> AutoDrafter:
@@ -200,7 +217,7 @@ def test_auto_falls_back_when_drafts_are_bad(zoo):
     costs.draft_heads.clear()
     costs.attn = {r: 0.5 * (1 + 0.3 * (r - 1)) for r in costs.attn}  # verifying more rows costs more
     d = _auto(m, bad, costs)
-    ar = m.generate(p, max_new_tokens=120, strategy="autoregressive")
+    ar = ar_generate(m, p, max_new_tokens=120)
     out = generate(m.runtime, d, p, ar_gen(120), SamplingConfig())
     assert out.token_ids == ar.token_ids
     assert out.stats.acceptance_rate < 0.3
@@ -216,7 +233,7 @@ def test_auto_keeps_drafting_when_drafts_are_good():
     p = prompts(n=1, lengths=(10,))[0]
     d = _auto(m, DraftConfig("early-exit", exit_layer=2, num_speculations=6), _fake_costs(L=6, head=1.0))
     out = generate(m.runtime, d, p, ar_gen(60), SamplingConfig())
-    assert out.token_ids == m.generate(p, max_new_tokens=60, strategy="autoregressive").token_ids
+    assert out.token_ids == ar_generate(m, p, max_new_tokens=60).token_ids
     assert d.decisions.count(0) <= 1 and out.stats.acceptance_rate > 0.95
     assert max(d.decisions) == 6  # with everything accepted, the longest draft is predicted best
 
@@ -228,12 +245,18 @@ def ar_gen(n):
 
 
 def test_auto_drafts_on_an_ideal_model():
+    """Calibration picks the exit that is always right and auto keeps drafting. Its decisions
+    come from costs, so the costs are fixed here (a draft token: 2 layers + a 1-layer head,
+    against 7 for a step) and the online correction by observed step times is off."""
     m = _ideal()
+    m.cost_model = lambda draft_vocabs=(): _fake_costs(L=6, head=1.0)
+    d = m.drafter(DraftConfig("auto"))
+    d.timing = False
     p = prompts(n=1, lengths=(24,))[0]
-    ar = m.generate(p, max_new_tokens=64)
+    ar = ar_generate(m, p, max_new_tokens=64)
     out = m.generate(p, max_new_tokens=64, strategy="auto")
     assert out.token_ids == ar.token_ids
-    d = m.drafter(DraftConfig("auto"))
+    assert m.drafter(DraftConfig("auto")) is d
     assert d.base.cfg.strategy == "early-exit" and d.base.cfg.exit_layer <= 2, d.base.cfg
     assert out.stats.acceptance_rate > 0.95
     assert out.stats.mean_accepted_length > 3
@@ -290,7 +313,7 @@ def test_exit_adapter_is_lossless(zoo, tmp_path, arch, heads):
     with torch.no_grad():
         assert torch.equal(loaded(h), a(h))
     for p in prompts(n=2, lengths=(7, 12)):
-        ar = m.generate(p, max_new_tokens=N_NEW)
+        ar = ar_generate(m, p, max_new_tokens=N_NEW)
         out = m.generate(p, max_new_tokens=N_NEW, strategy="exit-adapter", adapter=str(path), num_speculations=5)
         assert out.token_ids == ar.token_ids
         lk = m.generate(p, max_new_tokens=N_NEW, strategy="exit-adapter", adapter=str(path), num_speculations=3, lookup_first=True)
@@ -317,7 +340,7 @@ def test_exit_adapter_bfloat16_fast_path(zoo, tmp_path, arch):
         fast, ref = d._head_input(h, 0).float(), a(h).float()
     assert (fast - ref).abs().max().item() <= 0.03 * ref.abs().max().item()
     for p in prompts(n=2, lengths=(7, 12)):
-        ar = m.generate(p, max_new_tokens=N_NEW, strategy="autoregressive")
+        ar = ar_generate(m, p, max_new_tokens=N_NEW)
         out = m.generate(p, max_new_tokens=N_NEW, strategy="exit-adapter", adapter=str(path), num_speculations=3)
         assert out.token_ids == ar.token_ids
 
@@ -417,7 +440,7 @@ def test_profile_resolves_a_relative_adapter_path(zoo, tmp_path):
     loaded = load_profile(prof, m.fingerprint)
     assert Path(loaded.draft.adapter) == (tmp_path / "a.safetensors").resolve()
     out = m.generate([3, 4, 5], max_new_tokens=8, profile=str(prof))
-    assert out.token_ids == m.generate([3, 4, 5], max_new_tokens=8).token_ids
+    assert out.token_ids == ar_generate(m, [3, 4, 5], max_new_tokens=8).token_ids
 
 
 # ---- selfspec search -----------------------------------------------------------------------------
@@ -463,12 +486,19 @@ def test_search_writes_a_usable_profile_and_resumes(search_model_dir, tmp_path):
 def test_search_two_workers_share_one_study(search_model_dir, tmp_path):
     out = tmp_path / "w"
     storage = f"sqlite:///{tmp_path / 'shared.db'}"
-    r = _search(search_model_dir, out, "--n-trials", "16", "--workers", "2", "--storage", storage, "--no-confirm",
+    r = _search(search_model_dir, out, "--n-trials", "8", "--workers", "2", "--storage", storage, "--no-confirm",
                 "--dataset", "code")
-    assert r.returncode == 0, r.stderr
-    trials = json.loads((out / "search.json").read_text())["trials"]
-    assert len(trials) >= 10
-    assert {t["worker"] for t in trials} == {0, 1}, [t["worker"] for t in trials]
+    assert r.returncode == 0, r.stderr  # the worker process exited 0 too (else the run fails)
+    summary = json.loads((out / "search.json").read_text())
+    trials = summary["trials"]
+    assert len(trials) >= 8 and {t["worker"] for t in trials} <= {0, 1}
+    # Both processes joined the one study (each leaves its start-line marker in it). How the
+    # trials split between them is scheduling: a worker that finishes calibrating first may
+    # run them all, so that is not asserted.
+    import optuna
+
+    study = optuna.load_study(study_name=summary["metrics"]["study_name"], storage=storage)
+    assert {k.split("_")[1] for k in study.user_attrs if k.startswith("ready_")} == {"0", "1"}, study.user_attrs
 
 
 @pytest.mark.parametrize("args, fragments", [
@@ -508,7 +538,7 @@ def test_lookup_first_is_lossless(zoo, tmp_path, arch):
     save_adapter(_adapter(m), tmp_path / "a.safetensors")
     base = [7, 8, 9, 10, 7, 8, 9, 10, 7, 8, 9]
     for p in (base, prompts(n=1, lengths=(9,))[0]):
-        ar = m.generate(p, max_new_tokens=N_NEW, strategy="autoregressive")
+        ar = ar_generate(m, p, max_new_tokens=N_NEW)
         for kw in (dict(strategy="early-exit", exit_layer=2, num_speculations=5),
                    dict(strategy="layer-skip", skip_mlp=(1,), num_speculations=3),
                    dict(strategy="exit-adapter", adapter=str(tmp_path / "a.safetensors"), draft_threshold=0.2, adaptive=True)):

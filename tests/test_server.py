@@ -1,6 +1,7 @@
 """`selfspec serve`: the real server process on a free loopback port, driven by the official
 openai client (streaming and not) and raw HTTP for the error cases; plus in-process servers
-(uvicorn in a thread) for the scheduling properties that need a controlled engine speed.
+(uvicorn in a thread) for the scheduling properties, with an engine the test holds and
+releases on events (never a sleep or a measured duration).
 
 The model is a tiny random Llama with a byte-level BPE tokenizer built here, offline.
 """
@@ -29,6 +30,8 @@ import torch  # noqa: E402
 
 import selfspec  # noqa: E402
 from selfspec.server.app import ServerSettings, create_app  # noqa: E402
+
+from helpers import ar_generate  # noqa: E402
 
 KEY = "test-key-123"
 NAME = "tiny"
@@ -106,14 +109,22 @@ def _healthy(url: str, proc=None) -> bool:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], log_path: Path, startup_timeout: float = 90, ready_line: str | None = None):
-        self.port = free_port()
-        self.url = f"http://{LOOPBACK}:{self.port}"
+    """`selfspec serve` in a subprocess. Port 0 by default: the server binds a free port itself
+    and uvicorn logs which (no window in which another process can take it); Ray Serve needs
+    a port chosen up front."""
+
+    def __init__(self, args: list[str], log_path: Path, startup_timeout: float = 180, ready_line: str | None = None,
+                 port: int = 0):
         self.log_path = log_path
         self._log = open(log_path, "w")
-        cmd = [sys.executable, "-m", "selfspec", "serve", *args, "--host", LOOPBACK, "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "selfspec", "serve", *args, "--host", LOOPBACK, "--port", str(port)]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=SUBPROCESS_ENV, start_new_session=True)
         try:
+            if port == 0:
+                port = int(wait_until(lambda: self._exited() or re.search(rf"running on http://{LOOPBACK}:(\d+)", self.log()),
+                                      startup_timeout, "the server to bind a port").group(1))
+            self.port = port
+            self.url = f"http://{LOOPBACK}:{self.port}"
             wait_until(lambda: _healthy(self.url, self.proc) and (ready_line is None or ready_line in self.log()),
                        startup_timeout, "the server to start")
         except BaseException:
@@ -123,6 +134,11 @@ class ServerProcess:
 
     def log(self) -> str:
         return self.log_path.read_text()
+
+    def _exited(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"server exited with {self.proc.returncode}")
+        return False
 
     def stop(self, sig=signal.SIGTERM, timeout: float = 30) -> None:
         if self.proc.poll() is None:
@@ -314,7 +330,7 @@ def test_sampling_with_seed_is_reproducible_and_matches_direct(client, model):
 
 
 def test_per_request_strategy_within_limits(client, model):
-    ref = direct(model, PROMPTS[0], strategy="autoregressive")
+    ref = ar_generate(model, PROMPTS[0], max_new_tokens=40)
     for ext in ({"strategy": "prompt-lookup", "max_ngram": 2}, {"strategy": "autoregressive"},
                 {"exit_layer": 3, "num_speculations": 8}):
         r = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=40, temperature=0, extra_body={"selfspec": ext})
@@ -460,10 +476,10 @@ def test_one_log_line_per_request(server):
     marker = f"/v1/log-marker-{time.time_ns()}"
     httpx.get(server.url + marker, timeout=10)
     post(server, "/v1/completions", {"model": NAME, "prompt": "Log me", "max_tokens": 4, "temperature": 0})
-    lines = wait_until(lambda: [ln for ln in server.log().splitlines() if marker in ln], 5, "the log line")
+    lines = wait_until(lambda: [ln for ln in server.log().splitlines() if marker in ln], 60, "the log line")
     assert len(lines) == 1 and '" 404 ' in lines[0]
     # the access line is written after the response is sent: wait for it rather than race it
-    lines = wait_until(lambda: [ln for ln in server.log().splitlines() if '"POST /v1/completions" 200' in ln and "completion=4 " in ln], 5, "the POST log line")
+    lines = wait_until(lambda: [ln for ln in server.log().splitlines() if '"POST /v1/completions" 200' in ln and "completion=4 " in ln], 60, "the POST log line")
     assert re.search(r"prompt=\d+ completion=4 finish=length strategy=early-exit", lines[-1]), lines[-1]
     assert "Traceback" not in server.log()
 
@@ -475,7 +491,7 @@ def test_disconnect_mid_stream_frees_the_slot(server):
             assert r.status_code == 200
             next(r.iter_lines())
         # leaving the block closes the connection mid-stream
-    wait_until(lambda: httpx.get(server.url + "/health", timeout=5).json()["in_progress"] == 0, 10, "the slot to be freed")
+    wait_until(lambda: httpx.get(server.url + "/health", timeout=30).json()["in_progress"] == 0, 60, "the slot to be freed")
     r = post(server, "/v1/completions", {"model": NAME, "prompt": "Hi", "max_tokens": 3, "temperature": 0})
     assert r.status_code == 200
 
@@ -484,34 +500,46 @@ def test_disconnect_mid_stream_frees_the_slot(server):
 
 
 class InProcessServer:
+    """uvicorn in a thread, on a socket bound here (port 0: no window for another process)."""
+
     def __init__(self, app):
-        self.port = free_port()
+        self.sock = socket.socket()
+        self.sock.bind((LOOPBACK, 0))
+        self.port = self.sock.getsockname()[1]
         self.url = f"http://{LOOPBACK}:{self.port}"
-        config = uvicorn.Config(app, host=LOOPBACK, port=self.port, log_config=None, access_log=False, lifespan="on",
-                                timeout_graceful_shutdown=2)
+        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self):
         self.thread.start()
-        wait_until(lambda: self.server.started, 20, "the in-process server")
+        wait_until(lambda: self.server.started, 60, "the in-process server")
         return self
 
     def __exit__(self, *exc):
         self.server.should_exit = True
         self.thread.join(20)
+        self.sock.close()
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=30).json()
 
 
-class SlowEngine:
-    """Wraps model.generate (instance attribute, restored on exit): sleeps per committed token
-    and records overlapping entries and the order requests entered."""
+class HeldEngine:
+    """Wraps model.generate (instance attribute, restored on exit) so that the test decides
+    when the engine moves: a generation waits for `go` before it starts, and, with
+    `pause_after` = n, lets n tokens through and waits for `resume` before the next one.
+    Records the order requests entered, overlapping entries and the tokens each one got to."""
 
-    def __init__(self, model, per_token_s=0.01):
-        self.model, self.per_token_s = model, per_token_s
-        self.active = 0
-        self.max_active = 0
+    def __init__(self, model, pause_after: int | None = None):
+        self.model = model
+        self.go, self.resume = threading.Event(), threading.Event()
+        self.go.set()
+        self.pause_after = pause_after
+        self.active = self.max_active = 0
         self.entered: list = []
         self.tokens: list[int] = []
+        self.times: list[float] = []  # stats.time_s of each finished generation
         self.lock = threading.Lock()
 
     def __enter__(self):
@@ -524,14 +552,18 @@ class SlowEngine:
                 self.entered.append(list(prompt))
             count = [0]
 
-            def slow(ev):
-                time.sleep(self.per_token_s)
+            def held(ev):
                 count[0] += 1
+                if self.pause_after is not None and count[0] > self.pause_after:
+                    assert self.resume.wait(120), "the test never resumed the engine"
                 if on_event is not None:
                     on_event(ev)
 
             try:
-                return orig(prompt, on_event=slow, **kw)
+                assert self.go.wait(120), "the test never let the engine start"
+                result = orig(prompt, on_event=held, **kw)
+                self.times.append(result.stats.time_s)
+                return result
             finally:
                 self.tokens.append(count[0])
                 with self.lock:
@@ -541,6 +573,8 @@ class SlowEngine:
         return self
 
     def __exit__(self, *exc):
+        self.go.set()
+        self.resume.set()
         del self.model.generate
 
 
@@ -548,80 +582,114 @@ def _settings(**kw):
     return ServerSettings(**{"model_name": NAME, "max_new_tokens_limit": 400, **kw})
 
 
+def raw_request(srv: InProcessServer, body: dict) -> socket.socket:
+    """POST body on a raw connection and return it unread: closing it is a client going away
+    at a moment the test chooses."""
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((LOOPBACK, srv.port), timeout=60)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    return sock
+
+
 def test_fifo_order_and_one_generation_at_a_time(model):
     app = create_app(model, model.draft_config(**STRATEGY), _settings(max_concurrency=8))
     prompts = [f"{w} is here" for w in ("Alpha", "Bravo", "Charlie", "Delta", "Echo")]
-    with SlowEngine(model, 0.02) as eng, InProcessServer(app) as srv:
+    with HeldEngine(model) as eng, InProcessServer(app) as srv, concurrent.futures.ThreadPoolExecutor(5) as ex:
+        eng.go.clear()  # the first request holds the engine until every request is queued
 
         def one(i):
-            time.sleep(0.2 * i)  # arrival order = index order
             r = httpx.post(srv.url + "/v1/completions", json={"model": NAME, "prompt": prompts[i], "max_tokens": 30, "temperature": 0},
-                           timeout=60)
+                           timeout=120)
             return r.status_code, r.json()
 
-        with concurrent.futures.ThreadPoolExecutor(5) as ex:
-            results = list(ex.map(one, range(5)))
-        assert [s for s, _ in results] == [200] * 5
-        assert eng.max_active == 1  # the engine was never entered by two requests at once
-        assert eng.entered == [model.encode(p) for p in prompts]  # first come, first served
-        for p, (_, body) in zip(prompts, results):
-            assert body["choices"][0]["text"] == direct(model, p, max_new_tokens=30).text
-        assert results[-1][1]["selfspec"]["queue_time_s"] > 0.01  # it really waited
+        futures = [ex.submit(one, 0)]
+        wait_until(lambda: len(eng.entered) == 1, 60, "the first request to reach the engine")
+        for i in range(1, 5):  # arrival order = index order: each is queued before the next is sent
+            futures.append(ex.submit(one, i))
+            wait_until(lambda: srv.health()["waiting"] == i, 60, f"request {i} to be queued")
+        eng.go.set()
+        results = [f.result(120) for f in futures]
+    assert [s for s, _ in results] == [200] * 5
+    assert eng.max_active == 1  # the engine was never entered by two requests at once
+    assert eng.entered == [model.encode(p) for p in prompts]  # first come, first served
+    for p, (_, body) in zip(prompts, results):
+        assert body["choices"][0]["text"] == direct(model, p, max_new_tokens=30).text
+    # it really waited: the last request arrived before the first generation started, and
+    # waited through the first four generations, one after the other
+    assert results[-1][1]["selfspec"]["queue_time_s"] >= sum(eng.times[:4]) > 0
 
 
-def test_overload_gets_429_quickly_and_queue_timeout_503(model):
+def test_overload_gets_429_at_once_and_queue_timeout_503(model):
+    """With the engine held by the first request: a third request is refused without waiting
+    for the engine, and the queued second one gets 503 after its 1 s queue timeout."""
     app = create_app(model, model.draft_config(**STRATEGY), _settings(max_concurrency=2, queue_timeout_s=1.0))
-    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0}
-    with SlowEngine(model, 0.01), InProcessServer(app) as srv:
-        with concurrent.futures.ThreadPoolExecutor(2) as ex:
-            first = ex.submit(httpx.post, srv.url + "/v1/completions", json=body, timeout=60)
-            wait_until(lambda: httpx.get(srv.url + "/health").json()["in_progress"] == 1, 10, "the first request")
-            second = ex.submit(httpx.post, srv.url + "/v1/completions", json=body, timeout=60)
-            wait_until(lambda: httpx.get(srv.url + "/health").json()["in_progress"] == 2, 10, "the second request")
-            t0 = time.monotonic()
-            third = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
-            assert third.status_code == 429 and time.monotonic() - t0 < 1.0
-            assert third.json()["error"]["code"] == "rate_limit_exceeded" and int(third.headers["Retry-After"]) >= 1
-            # the second waits behind a >2 s generation: 503 after the 1 s queue timeout
-            r2 = second.result(30)
-            assert r2.status_code == 503 and r2.json()["error"]["code"] == "server_overloaded" and "Retry-After" in r2.headers
-            assert first.result(60).status_code == 200
-        m = httpx.get(srv.url + "/metrics").text
+    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 20, "temperature": 0}
+    with HeldEngine(model) as eng, InProcessServer(app) as srv, concurrent.futures.ThreadPoolExecutor(2) as ex:
+        eng.go.clear()
+        first = ex.submit(httpx.post, srv.url + "/v1/completions", json=body, timeout=120)
+        wait_until(lambda: len(eng.entered) == 1, 60, "the first request to reach the engine")
+        second = ex.submit(httpx.post, srv.url + "/v1/completions", json=body, timeout=120)
+        wait_until(lambda: srv.health()["in_progress"] == 2, 60, "the second request to be admitted")
+        third = httpx.post(srv.url + "/v1/completions", json=body, timeout=120)
+        assert third.status_code == 429 and not eng.go.is_set()  # answered while the engine is held
+        assert third.json()["error"]["code"] == "rate_limit_exceeded" and int(third.headers["Retry-After"]) >= 1
+        r2 = second.result(120)  # the engine is still held: nothing can start it
+        assert r2.status_code == 503 and r2.json()["error"]["code"] == "server_overloaded" and "Retry-After" in r2.headers
+        assert not first.done()
+        eng.go.set()
+        assert first.result(120).status_code == 200
+        m = httpx.get(srv.url + "/metrics", timeout=30).text
         assert 'selfspec_rejected_requests_total{reason="queue_full"} 1.0' in m
         assert 'selfspec_rejected_requests_total{reason="queue_timeout"} 1.0' in m
-        ok = httpx.post(srv.url + "/v1/completions", json={**body, "max_tokens": 3}, timeout=30)
+        ok = httpx.post(srv.url + "/v1/completions", json={**body, "max_tokens": 3}, timeout=120)
         assert ok.status_code == 200
+    assert len(eng.entered) == 2  # the timed-out request never reached the engine
 
 
 def test_client_disconnect_aborts_generation_at_once(model):
+    """The engine is paused after a few tokens while the client goes away; once the server
+    has noticed, the engine is resumed and must stop at its very next token."""
     app = create_app(model, model.draft_config(**STRATEGY), _settings(max_concurrency=4))
     body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 300, "temperature": 0}
-    with SlowEngine(model, 0.01) as eng, InProcessServer(app) as srv:
+    events: list = []
+    direct(model, PROMPTS[0], max_new_tokens=300, on_event=events.append)
+    first_text = next(i for i, e in enumerate(events) if e.text) + 1  # tokens until the stream has a first chunk
+    with HeldEngine(model, pause_after=first_text) as eng, InProcessServer(app) as srv:
         # mid-stream
-        with httpx.Client(timeout=30) as c:
+        with httpx.Client(timeout=120) as c:
             with c.stream("POST", srv.url + "/v1/completions", json={**body, "stream": True}) as r:
-                lines = r.iter_lines()
-                assert next(lines).startswith("data: ")
-        wait_until(lambda: eng.active == 0 and len(eng.tokens) == 1, 3, "the engine to stop")
-        assert eng.tokens[0] < 100  # abandoned long before its 300 tokens (0.01 s each)
-        assert httpx.get(srv.url + "/health").json()["in_progress"] == 0
-        # non-streamed: a client that times out and goes away
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(srv.url + "/v1/completions", json=body, timeout=0.5)
-        wait_until(lambda: eng.active == 0 and len(eng.tokens) == 2, 3, "the engine to stop")
-        assert eng.tokens[1] < 150
+                assert next(r.iter_lines()).startswith("data: ")
+        wait_until(lambda: srv.health()["in_progress"] == 0, 60, "the server to notice the disconnect")
+        eng.resume.set()
+        wait_until(lambda: len(eng.tokens) == 1, 60, "the engine to stop")
+        assert eng.tokens[0] == first_text + 1  # the first token after the disconnect ended it
+        # non-streamed: the client goes away while its generation is paused after one token
+        eng.resume.clear()
+        eng.pause_after = 1
+        gone = raw_request(srv, body)
+        wait_until(lambda: len(eng.entered) == 2 and eng.active == 1, 60, "the request to reach the engine")
+        gone.close()
+        wait_until(lambda: srv.health()["in_progress"] == 0, 60, "the server to notice the disconnect")
+        eng.resume.set()
+        wait_until(lambda: len(eng.tokens) == 2, 60, "the engine to stop")
+        assert eng.tokens[1] == 2
         # waiting in the queue, then gone: never reaches the engine
+        eng.resume.clear()
         with concurrent.futures.ThreadPoolExecutor(1) as ex:
-            long = ex.submit(httpx.post, srv.url + "/v1/completions", json={**body, "max_tokens": 60}, timeout=30)
-            wait_until(lambda: eng.active == 1, 5, "the long request")
-            with pytest.raises(httpx.ReadTimeout):
-                httpx.post(srv.url + "/v1/completions", json={**body, "prompt": "Queued"}, timeout=0.2)
-            assert long.result(30).status_code == 200
-        time.sleep(0.2)
+            long = ex.submit(httpx.post, srv.url + "/v1/completions", json={**body, "max_tokens": 60}, timeout=120)
+            wait_until(lambda: eng.active == 1 and len(eng.entered) == 3, 60, "the long request")
+            queued = raw_request(srv, {**body, "prompt": "Queued"})
+            wait_until(lambda: srv.health()["waiting"] == 1, 60, "the second request to be queued")
+            queued.close()
+            wait_until(lambda: srv.health()["in_progress"] == 1, 60, "the server to notice the queued client left")
+            eng.resume.set()
+            assert long.result(120).status_code == 200
+        wait_until(lambda: srv.health()["waiting"] == 0, 60, "the engine thread to skip the abandoned job")
         assert len(eng.entered) == 3
-        m = httpx.get(srv.url + "/metrics").text
+        m = httpx.get(srv.url + "/metrics", timeout=30).text
         assert "selfspec_cancelled_generations_total 3.0" in m
-        h = httpx.get(srv.url + "/health").json()
+        h = srv.health()
         assert h["in_progress"] == 0 and h["waiting"] == 0
 
 
@@ -641,11 +709,12 @@ def test_engine_failure_is_answered_and_the_server_goes_on(model):
     model.generate = failing
     try:
         with InProcessServer(app) as srv:
-            r = httpx.post(srv.url + "/v1/completions", json={"model": NAME, "prompt": [5, 6], "max_tokens": 5})
+            r = httpx.post(srv.url + "/v1/completions", json={"model": NAME, "prompt": [5, 6], "max_tokens": 5}, timeout=60)
             assert r.status_code == 500 and r.json()["error"]["type"] == "server_error" and "boom" in r.json()["error"]["message"]
-            r = httpx.post(srv.url + "/v1/completions", json={"model": NAME, "prompt": [5, 6], "max_tokens": 5, "stream": True})
+            r = httpx.post(srv.url + "/v1/completions", json={"model": NAME, "prompt": [5, 6], "max_tokens": 5, "stream": True}, timeout=60)
             assert r.status_code == 500  # failed before its first token: still a proper status
-            r = httpx.post(srv.url + "/v1/completions", json={"model": NAME, "prompt": "Still alive", "max_tokens": 5, "temperature": 0})
+            r = httpx.post(srv.url + "/v1/completions", json={"model": NAME, "prompt": "Still alive", "max_tokens": 5, "temperature": 0},
+                           timeout=60)
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref
     finally:
         del model.generate
@@ -684,7 +753,7 @@ def test_ray_serve_two_replicas(tiny_dir, model, tmp_path):
     s = ServerProcess(["--model", str(tiny_dir), "--dtype", "float32", "--device", "cpu", "--strategy", "early-exit",
                        "--exit-layer", "2", "--served-model-name", NAME, "--ray", "--replicas", "2", "--replica-cpus", "1",
                        "--threads", "1"],
-                      tmp_path / "ray.log", startup_timeout=180, ready_line="with Ray Serve (2 replicas)")
+                      tmp_path / "ray.log", startup_timeout=300, ready_line="with Ray Serve (2 replicas)", port=free_port())
     try:
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         refs = {p: direct(model, p, max_new_tokens=60).text for p in PROMPTS}
