@@ -58,7 +58,7 @@ import torch
 
 __all__ = ["available", "has_pairs", "supports", "matmul", "pack", "pack_rows", "PackedWeight", "FusedBlocks"]
 
-_SRCS = [Path(__file__).with_name("csrc") / name for name in ("gemm.c", "blocks.c")]
+_SRCS = [Path(__file__).with_name("csrc") / name for name in ("gemm.c", "blocks.c", "sampling.c")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _NEEDED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "fma")
 _TILE = 64  # columns per tile, must match NT in gemm.c
@@ -153,6 +153,7 @@ def _load():
             _lib = (fn, ref)
             _blocks.update(attn=dll.selfspec_attn_block, mlp=dll.selfspec_mlp_block,
                            pairs=bool(dll.selfspec_has_pairs()), pairs_ref=dll.selfspec_gemm_pairs_ref)
+            _blocks["dll"] = dll  # sampling_functions() registers its own entry points
         except Exception as e:  # noqa: BLE001 - any failure means "use torch"
             _load_error = f"{type(e).__name__}: {e}"
             _lib = False
@@ -430,3 +431,28 @@ class FusedBlocks:
         rc = self._mlp(self._dims_ptr, self._layer_ptrs[i], h.data_ptr(), h.shape[0], threads)
         if rc:
             raise RuntimeError(f"kernels: MLP block returned {rc}")
+
+
+# ---- sampling (csrc/sampling.c): one row's distribution and draws, see selfspec/sampling.py ----
+
+_sampling: dict = {}
+
+
+def sampling_functions() -> dict | None:
+    """{"dist": selfspec_sample_dist, "draw": selfspec_sample_draw} as ctypes functions, or
+    None when not available()."""
+    if not available():
+        return None
+    if not _sampling:
+        with _lock:
+            dll = _blocks["dll"]
+            p, c_long, c_float, c_double = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_double
+            dist = dll.selfspec_sample_dist
+            dist.restype = ctypes.c_int
+            dist.argtypes = [p, c_long, c_float, c_long, c_double, c_long, p, p, p, p]
+            draw = dll.selfspec_sample_draw
+            draw.restype = c_long
+            draw.argtypes = [p, c_long, c_float, c_float, c_float, c_double, p,
+                             p, p, c_long, c_float, c_float, c_float, c_double, p, c_double, p]
+            _sampling.update(dist=dist, draw=draw)
+    return _sampling
