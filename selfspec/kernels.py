@@ -31,6 +31,8 @@ API:
                                each 64-column tile becomes one contiguous stream, ~20-30%
                                faster than the plain layout on large N (the LM head).
                                PackedWeight.unpack() gives back the [K, N] tensor.
+  sampling_functions()         the entry points of csrc/sampling.c (one row's top-k/top-p
+                               distribution and draws; used by selfspec/sampling.py), or None
 
 The C source (csrc/gemm.c) is compiled on first use with gcc -O3 -march=native -fopenmp
 into ~/.cache/selfspec/kernels/<hash>/libgemm.so (hash of source, flags, compiler and CPU
