@@ -36,7 +36,7 @@ from rich.console import Console
 from rich.table import Table
 
 import selfspec
-from selfspec.config import DraftConfig, SamplingConfig
+from selfspec.config import SamplingConfig
 from selfspec.sampling import PointMass, Rows, distribution, make_rng
 from selfspec.tools.datasets import load_dataset
 from selfspec.verification import speculative_accept

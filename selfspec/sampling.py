@@ -26,9 +26,11 @@ p(x), q(x) and, on a rejection, one draw from norm(max(p - q, 0)):
   * PointMass(token): prompt lookup's deterministic draft.
   * DenseProbs(probs): a full probability vector, the torch fallback (CUDA tensors, or no
     C library: `selfspec.kernels.available()` false, e.g. SELFSPEC_NO_KERNELS=1).
-The C side (csrc/sampling.c) finds tau without sorting the vocabulary: one pass for the
-max, one for exp-sums in blocks plus counts and masses above a ladder of thresholds, then a
-weighted quickselect over the few candidates above the right rung.
+The C side (csrc/sampling.c) finds tau without sorting the vocabulary. Top-k: one pass that
+keeps the entries at or above a running threshold (the k-th largest so far), then a
+quickselect. Top-p: one pass for the max, one for exp-sums in blocks plus counts and masses
+above a ladder of thresholds (finer ladders inside the right band when it is crowded), then
+a weighted quickselect over the candidates above the right rung.
 """
 
 from __future__ import annotations
@@ -46,7 +48,6 @@ from selfspec.errors import SelfSpecError
 
 CAP = 4096  # supports up to this many tokens are kept explicit (ids + probabilities)
 _SB = 1024  # entries per block of the C passes (SB in csrc/sampling.c)
-_NO_TRUNCATION = float(np.finfo(np.float32).min)  # tau when every finite logit is kept
 
 
 # ---- the definition (torch, sort-based: the reference and the fallback) -------------------

@@ -605,6 +605,9 @@ E2E = [
     ("prompt-lookup-dense", "gemma3", dict(strategy="prompt-lookup", num_speculations=3), dict(temperature=1.0)),
     ("draft-model-dense", "llama", dict(strategy="draft-model", draft_model="tiny", num_speculations=3),
      dict(temperature=1.2, top_k=6)),
+    # "-torch": the fallback (no C library: SELFSPEC_NO_KERNELS=1), full probability vectors
+    ("early-exit-vocab-topp-torch", "llama", dict(strategy="early-exit", exit_layer=3, num_speculations=3, draft_vocab=6),
+     dict(temperature=0.7, top_p=0.9)),
 ]
 
 
@@ -621,6 +624,8 @@ def test_speculative_sampling_matches_autoregressive_distribution(small, name, a
     hf, rt = small[arch]
     if name.endswith("-dense"):
         monkeypatch.setattr(sampling_mod, "CAP", 0)
+    if name.endswith("-torch"):
+        monkeypatch.setenv("SELFSPEC_NO_KERNELS", "1")
     cfg = DraftConfig(**draft_kw)
     drafter = _e2e_drafter(rt, cfg, small["draft"])
     if cfg.draft_vocab is not None:

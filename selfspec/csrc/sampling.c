@@ -10,15 +10,22 @@
  * or dropped together, and no result depends on an order among equal values.
  *
  * How (one row, n entries, all passes vectorised with AVX-512 where the build has it):
+ *   top-k (then top-p): one pass keeps the entries at or above a running threshold (the
+ *      k-th largest collected so far, raised by a quickselect whenever the buffer fills), so
+ *      only ~k candidates survive; exps of those alone (Z of the top-k set), then top-p by a
+ *      weighted quickselect over them.
+ *   top-p alone, or temperature alone:
  *   1. m: max of l (division is monotone, so max(l) / T is the largest x).
  *   2. one pass in blocks of SB entries: e_i = exp(x_i - m), block sums of e (a dense
- *      distribution keeps them: a draw then walks 256 block sums and one block), and, if
- *      truncating, count and mass of {x >= m - d} for a ladder of offsets d.
- *   3. the highest ladder level whose set surely holds the support (count >= k, or mass >=
- *      top_p * Z); its entries (usually a few hundred) are compacted, in index order.
- *   4. tau by a weighted quickselect on those candidates (expected linear time), for top-k
- *      and then top-p; the support is written out (ids ascending, probabilities) when it
- *      has at most `cap` entries, else only (m, tau, Z) are returned (a dense distribution).
+ *      distribution keeps them: a draw then walks 256 block sums and one block), and, for
+ *      top-p, count and mass of {x >= m - d} for a ladder of offsets d (vectors entirely
+ *      below the lowest rung skip that work: most of a vocabulary).
+ *   3. the highest rung whose mass reaches top_p * Z surely holds the support; when it has
+ *      more than DIRECT entries, finer ladders inside its band (one pass each, at most
+ *      REFINE) narrow it. Its entries are compacted in index order.
+ *   4. tau by a weighted quickselect on those candidates (expected linear time); the
+ *      support is written out (ids ascending, probabilities) when it has at most `cap`
+ *      entries, else only (m, tau, Z) are returned (a dense distribution).
  *
  * Draws (selfspec_sample_draw): w_j = max(p_j - q_j, 0) over a dense p (q: none, a dense
  * row, or a list of (id, q) pairs), one uniform u, and an inverse-CDF walk in index order:
