@@ -23,7 +23,7 @@ from selfspec.cache import KVCache
 from selfspec.config import DraftConfig, SamplingConfig
 from selfspec.errors import SelfSpecError
 from selfspec.runtime import Runtime
-from selfspec.sampling import probs_from_logits, sample
+from selfspec.sampling import Dist, PointMass, SubVocab, distribution
 from selfspec.lookup import lookup_continuation
 from selfspec.predictor.calibrate import prefill_capturing
 from selfspec.predictor.simulate import expected_tokens
@@ -44,10 +44,7 @@ class Step:
 @dataclass
 class Draft:
     tokens: list[int] = field(default_factory=list)
-    probs: list[torch.Tensor] = field(default_factory=list)  # each [V]; sampling only
-
-    def probs_tensor(self) -> torch.Tensor:
-        return torch.stack(self.probs)
+    dists: list[Dist] = field(default_factory=list)  # the distribution each token was drawn from; sampling only
 
 
 class AdaptiveThreshold:
@@ -77,6 +74,7 @@ class Drafter:
         self.eos_ids = set(eos_ids)
         self.threshold = AdaptiveThreshold(cfg.draft_threshold) if cfg.draft_threshold is not None else None
         self._vocab: torch.Tensor | None = None  # restricted draft vocabulary (ids), if any
+        self._sub: SubVocab | None = None  # the same, for sampling (entry -> token and back)
         self._vocab_head: torch.Tensor | None = None  # [H, N] slice of the LM head
 
     @property
@@ -116,10 +114,14 @@ class Drafter:
     def set_draft_vocab(self, vocab: torch.Tensor | None, head=None) -> None:
         """Restrict draft logits to `vocab` (ids); verification always uses the full head.
         `head`: those columns of the LM head, prepared (shared between drafters; made here if None)."""
-        self._vocab = vocab
+        self._set_vocab(vocab)
         if vocab is not None and head is None:
             head = self.rt.prepare_weight(self.rt.head_columns(vocab).contiguous())
         self._vocab_head = None if vocab is None else head
+
+    def _set_vocab(self, vocab: torch.Tensor | None) -> None:
+        self._vocab = vocab
+        self._sub = None if vocab is None else SubVocab(vocab, self.rt.spec.vocab_size)
 
     def _draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.rt.logits(h, head=self._vocab_head)[0]
@@ -127,26 +129,18 @@ class Drafter:
     def _choose(self, logits: torch.Tensor, step: Step, draft: Draft) -> bool:
         """Pick the next draft token from draft logits [N]; append it to `draft` unless its
         confidence is below the threshold. -> whether to keep drafting."""
-        vocab_size = self.rt.spec.vocab_size
         if step.sampling.greedy:
             idx = int(logits.argmax())
             if self.threshold is not None and float(logits.softmax(-1)[idx]) < self.threshold.gamma:
                 return False
-            q = None
+            token = idx if self._vocab is None else int(self._vocab[idx])
         else:
-            q_sub = probs_from_logits(logits, step.sampling)
-            idx = sample(q_sub, step.rng)
-            if self.threshold is not None and float(q_sub.max()) < self.threshold.gamma:
+            q = distribution(logits, step.sampling, self._sub)  # over the full vocabulary's ids
+            token = q.draw(step.rng)
+            if self.threshold is not None and q.top_prob() < self.threshold.gamma:
                 return False
-            if self._vocab is None:
-                q = q_sub
-            else:  # the draft's distribution over the full vocabulary (zero outside the subset)
-                q = torch.zeros(vocab_size, dtype=q_sub.dtype, device=q_sub.device)
-                q[self._vocab] = q_sub
-        token = idx if self._vocab is None else int(self._vocab[idx])
+            draft.dists.append(q)
         draft.tokens.append(token)
-        if q is not None:
-            draft.probs.append(q)
         return token not in self.eos_ids
 
 
@@ -307,13 +301,12 @@ class PromptLookupDrafter(Drafter):
 
     def draft(self, step: Step) -> Draft:
         d = Draft(lookup_continuation(step.tokens, self.cfg.max_ngram, step.k))
-        if d.tokens and not step.sampling.greedy:
-            vocab = self.rt.spec.vocab_size
-            d.probs = [torch.nn.functional.one_hot(torch.tensor(t, device=self.rt.device), vocab).float() for t in d.tokens]
         for i, t in enumerate(d.tokens):  # drafting past an EOS is wasted work
             if t in self.eos_ids:
-                d.tokens, d.probs = d.tokens[: i + 1], d.probs[: i + 1]
+                d.tokens = d.tokens[: i + 1]
                 break
+        if not step.sampling.greedy:
+            d.dists = [PointMass(t) for t in d.tokens]
         return d
 
 
@@ -356,7 +349,7 @@ class DraftModelDrafter(Drafter):
 
     def set_draft_vocab(self, vocab, head=None):
         """The draft model has its own head: restrict its logits (see draft), no target slice."""
-        self._vocab = vocab
+        self._set_vocab(vocab)
 
     def accepted(self, step, draft, n):
         super().accepted(step, draft, n)

@@ -20,7 +20,7 @@ import torch
 
 from selfspec.config import MAX_SPECULATIONS, GenerationConfig, SamplingConfig
 from selfspec.drafters import Drafter, Step
-from selfspec.sampling import make_rng, probs_from_logits, sample
+from selfspec.sampling import Rows, distribution, make_rng
 from selfspec.verification import greedy_accept, speculative_accept
 
 
@@ -181,7 +181,7 @@ def generate(
     out = _Output(tokenizer, gen, eos_ids, on_event)
 
     def pick(logits: torch.Tensor) -> int:
-        return int(logits.argmax()) if sampling.greedy else sample(probs_from_logits(logits, sampling), rng)
+        return int(logits.argmax()) if sampling.greedy else distribution(logits, sampling).draw(rng)
 
     with torch.inference_mode():
         ids = torch.tensor(prompt_ids, device=runtime.device)
@@ -202,7 +202,7 @@ def generate(
             if sampling.greedy:
                 n, nxt = greedy_accept(draft.tokens, logits)
             else:
-                n, nxt = speculative_accept(draft.tokens, _probs(draft, logits), probs_from_logits(logits, sampling), rng)
+                n, nxt = speculative_accept(draft.tokens, draft.dists, Rows(logits, sampling), rng)
             drafter.accepted(step, draft, n)
             t2 = clock()
             stats.time_draft_s += t1 - t0
@@ -219,9 +219,3 @@ def generate(
     stats.time_s = clock() - t_start
     stats.new_tokens = len(out.ids)
     return GenerationResult(out.final_text(), out.ids, len(prompt_ids), out.finish, stats, out.drafted)
-
-
-def _probs(draft, logits: torch.Tensor) -> torch.Tensor:
-    if not draft.tokens:
-        return logits.new_zeros((0, logits.shape[-1]))
-    return draft.probs_tensor()

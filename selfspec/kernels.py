@@ -31,6 +31,8 @@ API:
                                each 64-column tile becomes one contiguous stream, ~20-30%
                                faster than the plain layout on large N (the LM head).
                                PackedWeight.unpack() gives back the [K, N] tensor.
+  sampling_functions()         the entry points of csrc/sampling.c (one row's top-k/top-p
+                               distribution and draws; used by selfspec/sampling.py), or None
 
 The C source (csrc/gemm.c) is compiled on first use with gcc -O3 -march=native -fopenmp
 into ~/.cache/selfspec/kernels/<hash>/libgemm.so (hash of source, flags, compiler and CPU
@@ -58,7 +60,7 @@ import torch
 
 __all__ = ["available", "has_pairs", "supports", "matmul", "pack", "pack_rows", "PackedWeight", "FusedBlocks", "norm_rows", "softcap_", "QuantizedWeight"]
 
-_SRCS = [Path(__file__).with_name("csrc") / name for name in ("gemm.c", "blocks.c", "quant.c")]
+_SRCS = [Path(__file__).with_name("csrc") / name for name in ("gemm.c", "blocks.c", "quant.c", "sampling.c")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _NEEDED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "fma")
 _TILE = 64  # columns per tile, must match NT in gemm.c
@@ -165,6 +167,7 @@ def _load():
                            norm_rows=dll.selfspec_norm_rows, softcap=dll.selfspec_softcap,
                            qgemm=dll.selfspec_qgemm, qgemm_ref=dll.selfspec_qgemm_ref,
                            pairs=bool(dll.selfspec_has_pairs()), pairs_ref=dll.selfspec_gemm_pairs_ref)
+            _blocks["dll"] = dll  # sampling_functions() registers its own entry points
         except Exception as e:  # noqa: BLE001 - any failure means "use torch"
             _load_error = f"{type(e).__name__}: {e}"
             _lib = False
@@ -553,3 +556,28 @@ def softcap_(y: torch.Tensor, cap: float) -> torch.Tensor:
     if rc:
         raise RuntimeError(f"kernels.softcap_: returned {rc}")
     return y
+
+
+# ---- sampling (csrc/sampling.c): one row's distribution and draws, see selfspec/sampling.py ----
+
+_sampling: dict = {}
+
+
+def sampling_functions() -> dict | None:
+    """{"dist": selfspec_sample_dist, "draw": selfspec_sample_draw} as ctypes functions, or
+    None when not available()."""
+    if not available():
+        return None
+    if not _sampling:
+        with _lock:
+            dll = _blocks["dll"]
+            p, c_long, c_float, c_double = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_double
+            dist = dll.selfspec_sample_dist
+            dist.restype = ctypes.c_int
+            dist.argtypes = [p, c_long, c_float, c_long, c_double, c_long, p, p, p, p]
+            draw = dll.selfspec_sample_draw
+            draw.restype = c_long
+            draw.argtypes = [p, c_long, c_float, c_float, c_float, c_double, p,
+                             p, p, c_long, c_float, c_float, c_float, c_double, p, c_double, p]
+            _sampling.update(dist=dist, draw=draw)
+    return _sampling

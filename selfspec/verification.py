@@ -11,9 +11,11 @@ is then distributed exactly as sampling from p alone.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from selfspec.sampling import sample
+from selfspec.sampling import Dist, as_rows, residual_draw, uniforms
 
 
 def greedy_accept(draft: list[int], target_logits: torch.Tensor) -> tuple[int, int]:
@@ -26,29 +28,25 @@ def greedy_accept(draft: list[int], target_logits: torch.Tensor) -> tuple[int, i
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """norm(max(p - q, 0)); falls back to p if p <= q everywhere (then rejection has prob 0)."""
+    """norm(max(p - q, 0)) of probability vectors; p itself if p <= q everywhere (then
+    rejection has probability 0). The dense form of sampling.residual_draw."""
     r = (p - q).clamp_min(0.0)
     total = r.sum()
     return r / total if total > 0 else p
 
 
 def speculative_accept(
-    draft: list[int], draft_probs: torch.Tensor, target_probs: torch.Tensor, rng: torch.Generator
+    draft: list[int], draft_dists: Sequence[Dist] | torch.Tensor, target_dists: Sequence[Dist] | torch.Tensor,
+    rng: torch.Generator,
 ) -> tuple[int, int]:
-    """draft_probs [k, V] (q, the distribution each draft token was drawn from),
-    target_probs [k+1, V] (p). -> (number accepted, next token)."""
-    if draft:
-        dev = target_probs.device
-        idx = torch.arange(len(draft), device=dev)
-        tok = torch.tensor(draft, device=dev)
-        p_x = target_probs[idx, tok]
-        q_x = draft_probs[idx, tok]
-        u = torch.rand(len(draft), generator=rng, device=dev)
+    """draft_dists: k rows q (the distribution each draft token was drawn from), target_dists:
+    k+1 rows p; Dists, or probability tensors [k, V] / [k+1, V]. -> (number accepted, next
+    token). Target rows past the first rejection are never looked at (a lazy sampling.Rows
+    never builds them)."""
+    q, p = as_rows(draft_dists), as_rows(target_dists)
+    u = uniforms(rng, len(draft)) if draft else []
+    for i, x in enumerate(draft):
         # accept iff u < p/q, written without a division: u * q < p
-        ok = (u * q_x < p_x).tolist()
-    else:
-        ok = []
-    for i, accepted in enumerate(ok):
-        if not accepted:
-            return i, sample(residual_distribution(target_probs[i], draft_probs[i]), rng)
-    return len(draft), sample(target_probs[len(draft)], rng)
+        if not u[i] * q[i].prob(x) < p[i].prob(x):
+            return i, residual_draw(p[i], q[i], rng)
+    return len(draft), p[len(draft)].draw(rng)

@@ -82,9 +82,7 @@ def _private_cost_cache(tmp_path_factory):
 
 
 TESTS = Path(__file__).resolve().parent
-# Files another engineer owns right now; they still call generate() with the default strategy
-# (not as a lossless reference). Remove each name once its calls name their strategy.
-DEFAULT_STRATEGY_ALLOWED = frozenset({"test_sampling.py"})
+DEFAULT_STRATEGY_ALLOWED: frozenset[str] = frozenset()  # test files exempt from the rule (none)
 
 
 def strategy_named(kw: dict) -> bool:
