@@ -13,8 +13,9 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 
 from selfspec.errors import SelfSpecError, unknown_choice
 
-STRATEGIES = ("autoregressive", "early-exit", "layer-skip", "exit-adapter", "draft-model", "prompt-lookup", "auto")
-SELF_DRAFTING = ("early-exit", "layer-skip", "exit-adapter")
+STRATEGIES = ("autoregressive", "early-exit", "layer-skip", "exit-adapter", "quantized", "draft-model", "prompt-lookup", "auto")
+SELF_DRAFTING = ("early-exit", "layer-skip", "exit-adapter", "quantized")
+DRAFT_BITS = (8, 4)  # quantized drafting: int8 per output channel, int4 in groups of 32 rows
 MAX_SPECULATIONS = 16  # verify passes stay within the row counts where the CPU kernels are row-invariant
 
 
@@ -173,6 +174,7 @@ STRATEGY_FIELDS: dict[str, frozenset[str]] = {
     "early-exit": frozenset(("exit_layer", *_SELF)),
     "layer-skip": frozenset(("skip_attn", "skip_mlp", *_SELF)),
     "exit-adapter": frozenset(("adapter", "exit_layer", *_SELF)),
+    "quantized": frozenset(("draft_bits", "head_bits", "exit_layer", "skip_attn", "skip_mlp", *_SELF)),
     "draft-model": frozenset(("draft_model", "num_speculations", "draft_threshold", "adaptive", "draft_vocab")),
     "prompt-lookup": frozenset(("num_speculations", "max_ngram")),
     # auto: the draft vocabulary and lookup n-gram of the draft calibration picks, or a base to gate
@@ -196,6 +198,8 @@ class DraftConfig:
     max_ngram: int = 3  # prompt-lookup: longest n-gram to match
     adapter: str | None = None  # exit-adapter: path of the trained adapter (selfspec train --recipe exit-adapter)
     lookup_first: bool = False  # self-drafting strategies: copy a prompt-lookup match when there is one
+    draft_bits: int | None = None  # quantized: bits of the draft copy's layers, 8 (the default) or 4
+    head_bits: int | None = None  # quantized: bits of the draft head (default: draft_bits)
     base: DraftConfig | None = None  # auto: the draft it gates (None: the model's profile, else calibration)
 
     def __post_init__(self):
@@ -212,6 +216,12 @@ class DraftConfig:
         if unused:
             its = ", ".join(sorted(used)) or "none"
             raise ConfigError(f"{unused[0]} is not used by the {self.strategy} strategy (its options: {its})", unused[0])
+        if self.strategy == "quantized":
+            object.__setattr__(self, "draft_bits", self.draft_bits or DRAFT_BITS[0])
+            object.__setattr__(self, "head_bits", self.head_bits or self.draft_bits)
+            for name in ("draft_bits", "head_bits"):
+                if getattr(self, name) not in DRAFT_BITS:
+                    raise ConfigError(f"{name} must be 8 or 4, got {getattr(self, name)}", name)
         if not 1 <= self.num_speculations <= MAX_SPECULATIONS:
             raise SelfSpecError(f"num_speculations must be in 1..{MAX_SPECULATIONS}, got {self.num_speculations}")
         if self.draft_threshold is not None and not 0.0 <= self.draft_threshold < 1.0:
@@ -243,13 +253,13 @@ class DraftConfig:
 
     def check_model(self, num_layers: int, vocab_size: int) -> None:
         """Checks that need the model's shape."""
-        if self.strategy in ("early-exit", "exit-adapter") and self.exit_layer is not None and not 1 <= self.exit_layer <= num_layers - 1:
+        if self.exit_layer is not None and not 1 <= self.exit_layer <= num_layers - 1:
             raise SelfSpecError(f"exit layer must be in 1..{num_layers - 1} for this {num_layers}-layer model, got {self.exit_layer}")
-        if self.strategy == "layer-skip":
+        if self.strategy in ("layer-skip", "quantized"):
             bad = [i for i in self.skip_attn + self.skip_mlp if not 0 <= i < num_layers]
             if bad:
                 raise SelfSpecError(f"skip sets name layers {bad} that this {num_layers}-layer model does not have")
-            if len(self.skip_attn) == num_layers and len(self.skip_mlp) == num_layers:
+            if self.strategy == "layer-skip" and len(self.skip_attn) == num_layers and len(self.skip_mlp) == num_layers:
                 raise SelfSpecError("the skip sets skip every sub-layer: the draft would be the embedding alone")
         if self.draft_vocab is not None and self.draft_vocab > vocab_size:
             raise SelfSpecError(f"draft_vocab {self.draft_vocab} exceeds the vocabulary size {vocab_size}")
@@ -259,6 +269,36 @@ class DraftConfig:
     @property
     def speculative(self) -> bool:
         return self.strategy != "autoregressive"
+
+    def draft_head(self) -> tuple[int | None, int | None]:
+        """(draft vocabulary size or None for all, bits of the head or None for the model's own)."""
+        return self.draft_vocab, self.head_bits if self.strategy == "quantized" else None
+
+    def label(self) -> str:
+        """A short readable name, e.g. "quantized int8 K=4 vocab=16384 +lookup" (reports, tables)."""
+        s = self.strategy
+        parts = [s]
+        if s == "quantized":
+            parts[0] = f"quantized int{self.draft_bits}" + (f"/head int{self.head_bits}" if self.head_bits != self.draft_bits else "")
+        if self.exit_layer is not None and s in ("early-exit", "exit-adapter", "quantized"):
+            parts.append(f"E={self.exit_layer}")
+        if s in ("layer-skip", "quantized") and (self.skip_attn or self.skip_mlp):
+            parts.append(f"attn={','.join(map(str, self.skip_attn)) or '-'} mlp={','.join(map(str, self.skip_mlp)) or '-'}")
+        if s == "prompt-lookup" or self.lookup_first:
+            parts.append(f"n={self.max_ngram}")
+        if s == "draft-model":
+            parts.append(str(self.draft_model))
+        if s == "auto" and self.base is not None:
+            parts.append(f"[{self.base.label()}]")
+        elif s not in ("autoregressive", "auto"):
+            parts.append(f"K={self.num_speculations}")
+        if self.draft_threshold is not None:
+            parts.append(f"thr={self.draft_threshold}" + ("(adaptive)" if self.adaptive else ""))
+        if self.draft_vocab:
+            parts.append(f"vocab={self.draft_vocab}")
+        if self.lookup_first:
+            parts.append("+lookup")
+        return " ".join(parts)
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from selfspec.config import MAX_SPECULATIONS, GenerationConfig, SamplingConfig
-from selfspec.drafters import Drafter, Step
+from selfspec.drafters.base import Drafter, Step
 from selfspec.sampling import Rows, distribution, make_rng
 from selfspec.verification import greedy_accept, speculative_accept
 
@@ -38,6 +38,7 @@ class GenerationStats:
     time_verify_s: float = 0.0
     time_s: float = 0.0
     time_to_first_token_s: float = 0.0
+    draft: dict | None = None  # what drafted: the configuration and its label (auto: the draft it gated, and where it came from)
 
     @property
     def acceptance_rate(self) -> float:
@@ -218,4 +219,5 @@ def generate(
             out.push(new, [True] * n + [False])
     stats.time_s = clock() - t_start
     stats.new_tokens = len(out.ids)
+    stats.draft = drafter.describe()
     return GenerationResult(out.final_text(), out.ids, len(prompt_ids), out.finish, stats, out.drafted)

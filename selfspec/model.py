@@ -11,27 +11,24 @@ import hashlib
 import json
 import logging
 import threading
-from collections import OrderedDict
 from dataclasses import asdict, fields
 
 import torch
 
-from selfspec import kernels
-from selfspec.architectures import ModelSpec
 from selfspec import chat_templates
+from selfspec.architectures import ModelSpec
 from selfspec.config import STRATEGIES, DraftConfig, GenerationConfig, SamplingConfig
-from selfspec.drafters import Drafter, make_drafter
+from selfspec.drafters import Drafter, build
 from selfspec.engine import GenerationResult, StreamEvent, generate
 from selfspec.errors import SelfSpecError, unknown_choice
-from selfspec.predictor.calibrate import AUTO_DRAFT_VOCAB, calibrate, calibration_exits
-from selfspec.predictor.costs import CostModel, load_costs, save_costs
+from selfspec.loading import ALIASES, load_source, resolve_tokenizer
+from selfspec.predictor.costs import CostModel
 from selfspec.profiles import Profile, load_profile
+from selfspec.resources import DraftResources
 from selfspec.runtime import Runtime
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 _DRAFT_FIELDS = {f.name for f in fields(DraftConfig)}
-MAX_DRAFTERS = 32  # draft configurations kept ready per model (least recently used dropped first)
-MAX_DRAFT_HEADS = 8  # restricted draft heads (one per vocabulary size) kept per model
 _log = logging.getLogger("selfspec")
 
 
@@ -86,22 +83,11 @@ def merge_profile_draft(draft: DraftConfig, strategy: str | None, given: dict) -
     raise SelfSpecError(f"the profile drafts with {draft.strategy}; strategy {strategy} cannot use it (drop one of the two)")
 
 
-def _lru_get(cache: OrderedDict, key, make, limit: int):
-    """cache[key], made on a miss; the least recently used entries beyond `limit` are dropped."""
-    if key in cache:
-        cache.move_to_end(key)
-        return cache[key]
-    value = cache[key] = make()
-    while len(cache) > limit:
-        cache.popitem(last=False)
-    return value
-
-
 class SelfSpecModel:
-    """A loaded model. Its memory is bounded however many draft configurations it serves
-    (MAX_DRAFTERS drafters, MAX_DRAFT_HEADS restricted heads shared by the drafters). It is
-    thread-safe: concurrent `generate` calls run one at a time, each exactly as it would alone
-    (for concurrent throughput, batch requests: `selfspec serve`)."""
+    """A loaded model: its runtime, tokenizer and chat template, and the resources its drafters
+    share (resources.py: bounded however many draft configurations it serves). Each generation
+    gets a drafter of its own. Thread-safe: concurrent `generate` calls run one at a time (the
+    kernels already use every core), each exactly as it would alone."""
 
     def __init__(self, runtime: Runtime, tokenizer, name: str = "", chat_template: str | None = None):
         self.runtime = runtime
@@ -117,12 +103,8 @@ class SelfSpecModel:
             eos.update(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
         self._model_eos = tuple(sorted(eos))
         self.eos_token_ids = self._model_eos
-        self._drafters: OrderedDict[DraftConfig, Drafter] = OrderedDict()
-        self._draft_heads: OrderedDict[int, tuple[torch.Tensor, object]] = OrderedDict()
-        self._draft_models: dict[str, Runtime] = {}
-        self._token_order: torch.Tensor | None = None
-        self._costs: dict = {}
-        self._lock = threading.RLock()  # drafters keep per-generation state: one generation at a time
+        self.resources = DraftResources(runtime, self.fingerprint, tokenizer)
+        self._lock = threading.RLock()  # one generation at a time
         self.chat_template: str | None = None  # the Jinja template chat prompts use (None: chat is unavailable)
         self.chat_template_source = "none"
         self._chat_template_arg: str | None = None  # what apply_chat_template gets (None: the tokenizer's own)
@@ -150,8 +132,6 @@ class SelfSpecModel:
                 text = arg = chat_templates.BUILTIN[builtin] if builtin else None
                 source = f"the built-in {builtin} template" if builtin else "none"
                 if builtin:
-                    from selfspec.loading import ALIASES
-
                     who = f"{self.name} is a base model" if self.name in ALIASES else f"{self.name or 'this model'} has no chat template of its own"
                     note = (f"selfspec: note: {who}; chat prompts use the built-in {builtin} turn format "
                             "(a base model continues text: it was not trained to follow instructions)")
@@ -160,9 +140,7 @@ class SelfSpecModel:
         with self._lock:
             self.chat_template, self.chat_template_source, self._chat_template_arg = text, source, arg
             self._chat_note = note
-            if eos != self.eos_token_ids:
-                self.eos_token_ids = eos
-                self._drafters.clear()  # drafters stop drafting at the end-of-sequence tokens they were made with
+            self.eos_token_ids = eos
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation ([{"role": ..., "content": ...}, ...]) under the chat
@@ -230,133 +208,26 @@ class SelfSpecModel:
         return merge_profile_draft(prof.draft, strategy, given)
 
     def drafter(self, cfg: DraftConfig) -> Drafter:
-        """The drafter for cfg, kept for reuse (at most MAX_DRAFTERS, least recently used dropped)."""
-        with self._lock:
-            return _lru_get(self._drafters, cfg, lambda: self._make_drafter(cfg), MAX_DRAFTERS)
+        """A new drafter for one generation of cfg (checks cfg against this model)."""
+        return build(cfg, self.resources, self.eos_token_ids)
 
-    def _make_drafter(self, cfg: DraftConfig) -> Drafter:
-        if cfg.strategy == "auto":
-            return self._auto_drafter(cfg)
-        draft_rt = self._draft_runtime(cfg.draft_model) if cfg.strategy == "draft-model" else None
-        adapter = self._adapter(cfg) if cfg.strategy == "exit-adapter" else None
-        if adapter is not None and cfg.exit_layer is None:
-            cfg = cfg.replace(exit_layer=adapter.meta.exit_layer)
-        d = make_drafter(self.runtime, cfg, self.eos_token_ids, draft_rt, adapter)
-        if cfg.draft_vocab is not None:
-            d.set_draft_vocab(*self.draft_head(cfg.draft_vocab))
-        return d
-
-    def draft_head(self, n: int) -> tuple[torch.Tensor, object]:
-        """(ids of the n most frequent tokens, those LM-head columns prepared for the runtime):
-        one copy per vocabulary size, shared by every drafter that drafts over it."""
-        def make():
-            vocab = self.draft_vocabulary(n)
-            return vocab, self.runtime.prepare_weight(self.runtime.head_columns(vocab).contiguous())
-
-        with self._lock:
-            return _lru_get(self._draft_heads, n, make, MAX_DRAFT_HEADS)
-
-    def _adapter(self, cfg: DraftConfig):
-        from selfspec.adapter import load_adapter
-
-        adapter = load_adapter(cfg.adapter, self.runtime.device)
-        meta = adapter.meta
-        if meta.model_fingerprint and meta.model_fingerprint != self.fingerprint:
-            raise SelfSpecError(f"the exit adapter {cfg.adapter} was trained for another model (fingerprint {meta.model_fingerprint}, this model is {self.fingerprint})")
-        if meta.hidden_size != self.spec.hidden_size:
-            raise SelfSpecError(f"the exit adapter {cfg.adapter} has hidden size {meta.hidden_size}; this model's is {self.spec.hidden_size}")
-        if cfg.exit_layer is not None and cfg.exit_layer != meta.exit_layer:
-            raise SelfSpecError(f"the exit adapter {cfg.adapter} was trained for exit layer {meta.exit_layer}, not {cfg.exit_layer}")
-        return adapter
-
-    def cost_model(self, draft_vocabs: tuple[int, ...] = ()):
-        """Measured primitive costs of this model's runtime (predictor.costs), cached per model."""
-        key = tuple(sorted(set(draft_vocabs)))
-        if key not in self._costs:
-            ident = self._cost_identity(key)
-            costs = load_costs(ident)
-            if costs is None:
-                heads = {n: self.draft_head(n)[1] for n in key}
-                costs = CostModel.measure(self.runtime, heads)
-                save_costs(ident, costs)
-            self._costs[key] = costs
-        return self._costs[key]
-
-    def _cost_identity(self, vocabs: tuple[int, ...]) -> dict:
-        """What measured costs depend on. They are kept on disk under this key, so auto's
-        decisions (and with them how sampling consumes the RNG) are the same on every load
-        on this machine: a seed reproduces its output."""
-        import platform
-
-        rt = self.runtime
-        return {"model": self.fingerprint, "dtype": str(rt.dtype), "device": str(rt.device), "kernels": kernels.build_id() if rt.uses_kernels else False,
-                "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),
-                "cpu": platform.processor(), "draft_vocabs": list(vocabs)}
-
-    def _auto_drafter(self, cfg: DraftConfig) -> Drafter:
-        """auto gates cfg.base, else the model's installed profile, else a draft chosen per
-        prompt by calibration (predictor.calibrate)."""
-        from selfspec.drafters import AutoDrafter
-        from selfspec.profiles import installed_profile
-
-        base_cfg = cfg.base
-        if base_cfg is None:
-            prof = installed_profile(self.fingerprint)
-            if prof is not None:
-                base_cfg = prof.draft.base if prof.draft.strategy == "auto" else prof.draft
-        if base_cfg is not None:
-            base = self.drafter(base_cfg)
-            costs = self.cost_model((base.cfg.draft_vocab,) if base.cfg.draft_vocab else ())
-            return AutoDrafter(self.runtime, cfg, self.eos_token_ids, base=base, costs=costs)
-
-        n = cfg.draft_vocab
-        if n is None and self.spec.vocab_size > 2 * AUTO_DRAFT_VOCAB and (self.tokenizer is not None or self._token_order is not None):
-            n = AUTO_DRAFT_VOCAB  # FR-Spec: on a big vocabulary the full draft head would dominate
-        costs = self.cost_model((n,) if n else ())
-        vocab, head = self.draft_head(n) if n else (None, None)
-
-        def choose_base(ids: list[int], captured: dict) -> tuple[Drafter, float | None]:
-            chosen, pred = calibrate(self.runtime, ids, costs, cfg, captured, head, vocab, n)
-            alpha = None if pred is None or not pred.drafted else pred.acceptance_rate
-            return self.drafter(chosen), alpha
-
-        return AutoDrafter(self.runtime, cfg, self.eos_token_ids, costs=costs, choose_base=choose_base,
-                           capture_exits=calibration_exits(self.spec.num_layers))
+    # the resources, as the model's own API (resources.py)
 
     def draft_vocabulary(self, n: int) -> torch.Tensor:
         """The n most frequent token ids (see draft_vocab.py), sorted by id."""
-        if self._token_order is None:
-            if self.tokenizer is None:
-                raise SelfSpecError("a restricted draft vocabulary needs token frequencies: load a tokenizer or call set_token_frequencies")
-            from selfspec.draft_vocab import cached_frequency_order
-            from selfspec.loading import cache_root
-
-            self._token_order = cached_frequency_order(self.tokenizer, self.spec.vocab_size, cache_root() / "draft-vocab")
-        return self._token_order[:n].sort().values.to(self.runtime.device)
+        return self.resources.draft_vocabulary(n)
 
     def set_token_frequencies(self, order: torch.Tensor) -> None:
         """Token ids, most frequent first: defines the restricted draft vocabularies."""
-        with self._lock:
-            self._token_order = order.to(torch.long)
-            self._draft_heads.clear()
-            for k in [k for k in self._drafters if k.draft_vocab is not None or k.strategy == "auto"]:
-                del self._drafters[k]
+        self.resources.set_token_frequencies(order)
 
-    def _draft_runtime(self, source: str) -> Runtime:
-        if source not in self._draft_models:
-            from selfspec.loading import load_source
+    def draft_head(self, n: int) -> tuple[torch.Tensor, object]:
+        """(ids of the n most frequent tokens, those LM-head columns prepared for the runtime)."""
+        return self.resources.draft_head(n)
 
-            from selfspec.loading import resolve_tokenizer
-
-            sd, config, tok, _ = load_source(source)
-            tok = resolve_tokenizer(tok)
-            spec = ModelSpec.from_hf_config(config)
-            if tok is not None and self.tokenizer is not None and tok.get_vocab() != self.tokenizer.get_vocab():
-                raise SelfSpecError(f"the draft model {source} uses another tokenizer than the target model")
-            if abs(spec.vocab_size - self.spec.vocab_size) > 1024:
-                raise SelfSpecError(f"the draft model's vocabulary ({spec.vocab_size}) does not match the target's ({self.spec.vocab_size})")
-            self._draft_models[source] = Runtime.from_state_dict(spec, sd, config, self.runtime.dtype, self.runtime.device)
-        return self._draft_models[source]
+    def cost_model(self, draft_vocabs: tuple[int, ...] = ()) -> CostModel:
+        """Measured primitive costs of this model's runtime (predictor/costs.py)."""
+        return self.resources.cost_model(heads=tuple((n, None) for n in draft_vocabs))
 
     def generate(
         self,
@@ -385,7 +256,8 @@ class SelfSpecModel:
         if budget != gen.max_new_tokens:
             gen = GenerationConfig(budget, gen.stop, gen.chat)
         with self._lock:  # one generation at a time (class doc)
-            return generate(self.runtime, self.drafter(cfg), ids, gen, sampling, self.tokenizer, self.eos_token_ids, on_event)
+            drafter = self.drafter(cfg)
+            return generate(self.runtime, drafter, ids, gen, sampling, self.tokenizer, self.eos_token_ids, on_event)
 
 
 def load(
@@ -400,8 +272,6 @@ def load(
     model object (its weights are read, never modified). chat_template: a Jinja file, a
     built-in name or a Jinja string for chat prompts (default: the tokenizer's own, else the
     built-in template of the model's family; see SelfSpecModel.set_chat_template)."""
-    from selfspec.loading import load_source, resolve_tokenizer
-
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     if chat_template is not None:

@@ -39,7 +39,7 @@ from selfspec import kernels
 from selfspec.cache import KVCache
 from selfspec.config import MAX_SPECULATIONS
 from selfspec.errors import SelfSpecError
-from selfspec.quant import quantize
+from selfspec.quant import INT4_GROUP, quantize
 
 
 _MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
@@ -84,7 +84,7 @@ def _nbytes(w) -> int:
     return t.numel() * t.element_size()
 
 
-def quantize_columns(w: torch.Tensor, bits: int, group: int, chunk: int = 16384):
+def quantize_columns(w: torch.Tensor, bits: int, group: int = INT4_GROUP, chunk: int = 16384):
     """quantize(w) for a wide w [K, N] (an LM head), 16k columns at a time: the quantizers work
     per column, so this is the same result with a fraction of the temporary memory."""
     if w.shape[1] <= chunk:
@@ -194,20 +194,18 @@ class Runtime:
         """Bytes of weights one decode step reads (layers + LM head; the embedding is a gather)."""
         return sum(_nbytes(t) for L in self.layers for t in L.values()) + _nbytes(self.head) + _nbytes(self.final_norm)
 
-    def quantized(self, bits: int, group: int = 32, head=None) -> "Runtime":
-        """A drafting copy of this runtime whose matrices are `bits`-bit copies of its own
-        (selfspec.quant; int4 in groups of `group` rows): embeddings, norms and rotary tables
-        are shared, and it reads and writes the same KVCache layout, so a draft can attend to
-        the verifier's exact keys and values. `head`: the LM head columns it drafts over
-        ([H, N] tensor; None: the whole head), quantized the same way. CPU kernels only."""
+    def quantized(self, bits: int, group: int = INT4_GROUP) -> "Runtime":
+        """A drafting copy of this runtime whose layer matrices are `bits`-bit copies of its own
+        (selfspec.quant; int4 in groups of `group` rows). Embeddings, norms, rotary tables and
+        the LM head are shared (drafts pass the head they draft with: Runtime.logits(head=)),
+        and it reads and writes the same KVCache layout, so a draft attends to the verifier's
+        exact keys and values. CPU kernels only."""
         if not self.uses_kernels:
             raise SelfSpecError("quantized drafting needs selfspec's CPU kernels (x86-64 with AVX-512); "
                                 f"they are unavailable here ({kernels.load_error() or self.device.type})")
-        q = copy.copy(self)  # shallow: spec, embeddings, norms and rope tables are shared
+        q = copy.copy(self)  # shallow: spec, embeddings, norms, head and rope tables are shared
         q.layers = [{k: quantize(self.weight(i, k), bits, group) if k in _MATRICES else w for k, w in L.items()}
                     for i, L in enumerate(self.layers)]
-        q.head = quantize_columns(self.head_weight() if head is None else head, bits, group)
-        q.embed = self.embed  # embeddings stay exact (a tied model gathers them from the full head)
         q.blocks = kernels.FusedBlocks(
             hidden=self.spec.hidden_size, heads=self.spec.num_heads, kv_heads=self.spec.num_kv_heads,
             head_dim=self.spec.head_dim, inter=self.layers[0]["w_down"].shape[0], eps=self.spec.rms_norm_eps,

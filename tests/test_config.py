@@ -90,8 +90,31 @@ def test_every_used_option_is_accepted():
     DraftConfig("prompt-lookup", num_speculations=8, max_ngram=1)
     DraftConfig("auto", draft_vocab=50, max_ngram=2)
     DraftConfig("auto", base=DraftConfig("early-exit", exit_layer=2))
-    assert set(STRATEGY_FIELDS) == {"autoregressive", "early-exit", "layer-skip", "exit-adapter", "draft-model",
+    DraftConfig("quantized", draft_bits=4, head_bits=8, exit_layer=3, skip_attn=(1,), skip_mlp=(2,), num_speculations=5,
+                draft_threshold=0.2, adaptive=True, draft_vocab=50, lookup_first=True, max_ngram=2)
+    assert set(STRATEGY_FIELDS) == {"autoregressive", "early-exit", "layer-skip", "exit-adapter", "quantized", "draft-model",
                                     "prompt-lookup", "auto"}
+
+
+def test_quantized_options():
+    q = DraftConfig("quantized")
+    assert (q.draft_bits, q.head_bits) == (8, 8) and q.draft_head() == (None, 8)
+    assert DraftConfig("quantized", draft_bits=4).head_bits == 4
+    assert DraftConfig.from_dict({"strategy": "quantized", "draft_bits": "4", "head_bits": "8"}).label() == "quantized int4/head int8 K=4"
+    for bad in ({"draft_bits": 3}, {"head_bits": 16}):
+        with pytest.raises(ConfigError, match="must be 8 or 4"):
+            DraftConfig("quantized", **bad)
+    with pytest.raises(ConfigError, match="draft_bits is not used by the early-exit strategy"):
+        DraftConfig("early-exit", exit_layer=2, draft_bits=8)
+
+
+def test_labels():
+    assert DraftConfig("early-exit", exit_layer=12, num_speculations=3, draft_vocab=16384).label() == "early-exit E=12 K=3 vocab=16384"
+    assert DraftConfig("prompt-lookup", num_speculations=2).label() == "prompt-lookup n=3 K=2"
+    assert DraftConfig("layer-skip", skip_mlp=(1, 2), draft_threshold=0.3, adaptive=True).label() == "layer-skip attn=- mlp=1,2 K=4 thr=0.3(adaptive)"
+    assert DraftConfig("quantized", lookup_first=True).label() == "quantized int8 n=3 K=4 +lookup"
+    assert DraftConfig("auto", base=DraftConfig("prompt-lookup", num_speculations=2)).label() == "auto [prompt-lookup n=3 K=2]"
+    assert DraftConfig("autoregressive").label() == "autoregressive"
 
 
 def test_profile_fields_follow_the_strategy(zoo, tmp_path):

@@ -30,6 +30,7 @@ from selfspec.engine import generate
 from selfspec.predictor.costs import CostModel
 
 from helpers import build_hf
+from test_kernels import needs_kernels
 
 V = 12  # tokens: at most 12 cells per position, df <= 11
 PROMPT = [1, 2, 3, 4, 1, 2]  # a repeat: prompt lookup has n-grams to copy
@@ -158,7 +159,7 @@ def test_auto_preserves_the_distribution(tiny):
     cfg = DraftConfig("auto", base=DraftConfig("early-exit", exit_layer=1, num_speculations=3))
     rows = (1, 2, 3, 5, 9, 17)
     costs = CostModel(3, {r: 0.5 for r in rows}, {r: 0.5 for r in rows}, {r: 1.0 for r in rows})
-    tiny.cost_model = lambda draft_vocabs=(): costs
+    tiny.resources.cost_model = lambda heads=(), bits=(): costs
     d = tiny.drafter(cfg)
     decisions: set = set()
     steps = _check(tiny, d, SamplingConfig(temperature=1.0), seed0=1_000_000,
@@ -198,3 +199,24 @@ def test_threshold_adaptive_and_draft_vocab_preserve_the_distribution(tiny):
     d = tiny.drafter(DraftConfig("early-exit", exit_layer=1, num_speculations=3, draft_threshold=0.5, adaptive=True, draft_vocab=8))
     steps = _check(tiny, d, SamplingConfig(temperature=1.0), seed0=3_000_000)
     assert any(k > 0 and drafted < k for k, drafted, _ in steps.log), "the threshold never stopped a draft"
+
+
+
+
+@needs_kernels
+def test_quantized_with_lookup_first_preserves_the_distribution(tiny):
+    """An int4 copy of the model's weights drafting behind prompt lookup: both kinds of draft,
+    and rejections often enough on this tiny model."""
+    d = tiny.drafter(DraftConfig("quantized", draft_bits=4, num_speculations=3, lookup_first=True))
+    from_lookup = [0, 0]
+    draft = d.draft
+
+    def counting(step):
+        out = draft(step)
+        if out.tokens:
+            from_lookup[d._from_lookup] += 1
+        return out
+
+    d.draft = counting
+    _check(tiny, d, SamplingConfig(temperature=0.9, top_k=8), seed0=4_000_000)
+    assert min(from_lookup) > 0, from_lookup

@@ -43,6 +43,9 @@ STRATEGIES = [
     ("pl-ngram1-K16", dict(strategy="prompt-lookup", max_ngram=1, num_speculations=16)),
     ("dm-K4", dict(strategy="draft-model")),
     ("dm-K16", dict(strategy="draft-model", num_speculations=16)),
+    ("q8-K4", dict(strategy="quantized")),
+    ("q4-E3-K6", dict(strategy="quantized", draft_bits=4, exit_layer=3, num_speculations=6)),
+    ("q4h8-skip-adaptive", dict(strategy="quantized", draft_bits=4, head_bits=8, skip_attn=(1,), adaptive=True, num_speculations=5)),
 ]
 
 # Built by the model (auto needs its costs, exit-adapter its adapter file): the lossless matrix only.
@@ -54,6 +57,8 @@ MODEL_STRATEGIES = [
     ("auto", dict(strategy="auto")),
     ("auto-ee-E1-K6", dict(strategy="auto", base=DraftConfig("early-exit", exit_layer=1, num_speculations=6))),
     ("auto-ls-mlp02", dict(strategy="auto", base=DraftConfig("layer-skip", skip_mlp=(0, 2)))),
+    ("q8-vocab-lookup-first", dict(strategy="quantized", draft_vocab=40, lookup_first=True, num_speculations=6)),
+    ("auto-q8", dict(strategy="auto", base=DraftConfig("quantized", num_speculations=6))),
 ]
 
 
@@ -150,6 +155,8 @@ def _check_stats(res, K: int | None):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_strategies_equal_autoregressive(zoo, draft_model_dir, adapter_path, ar_cache, arch, name, kw):
     _, model = zoo.get(arch)
+    if "quantized" in (kw["strategy"], getattr(kw.get("base"), "strategy", None)) and not model.runtime.uses_kernels:
+        pytest.skip("quantized drafting needs selfspec's CPU kernels")
     _token_frequencies(model)
     kw = _cfg(kw, draft_model_dir, adapter_path)
     for prompt in _prompts():

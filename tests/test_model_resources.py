@@ -11,7 +11,7 @@ import torch
 
 import selfspec
 from selfspec.config import DraftConfig
-from selfspec.model import MAX_DRAFT_HEADS, MAX_DRAFTERS
+from selfspec.resources import MAX_DRAFT_HEADS
 
 from helpers import build_hf, prompts
 
@@ -37,7 +37,7 @@ def test_memory_is_bounded_over_many_draft_configurations():
     for i, (cfg, p) in enumerate(zip(configs, ps)):
         m.generate(p, max_new_tokens=6, draft=cfg)
         m.generate(p + p[:4], max_new_tokens=6, strategy="auto")
-        assert len(m._drafters) <= MAX_DRAFTERS and len(m._draft_heads) <= MAX_DRAFT_HEADS
+        assert m.resources.bounded()["draft_heads"] <= MAX_DRAFT_HEADS
         if i in (100, 299):
             rss.append(_rss_mb())
     # measured: 5-10 MB of allocator slack after the first 100 (the heads are evicted and re-made)
@@ -49,7 +49,7 @@ def test_draft_heads_are_shared_between_drafters():
     m.set_token_frequencies(torch.randperm(m.spec.vocab_size, generator=torch.Generator().manual_seed(0)))
     a = m.drafter(DraftConfig("early-exit", exit_layer=1, draft_vocab=40))
     b = m.drafter(DraftConfig("layer-skip", skip_mlp=(1,), draft_vocab=40, num_speculations=3))
-    assert a._vocab_head is b._vocab_head and torch.equal(a._vocab, b._vocab)
+    assert a.draft_head is b.draft_head and torch.equal(a.vocab, b.vocab)
 
 
 def test_concurrent_generate_calls_equal_solo_calls():

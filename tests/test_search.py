@@ -23,6 +23,7 @@ from selfspec import kernels
 from selfspec.adapter import AdapterCache, AdapterMeta, ExitAdapter, load_adapter, save_adapter
 from selfspec.config import DraftConfig, SamplingConfig
 from selfspec.drafters import AutoDrafter
+from selfspec.engine import generate
 from selfspec.lookup import lookup_continuation
 from selfspec.errors import SelfSpecError
 from selfspec.profiles import Profile, load_profile, save_profile
@@ -118,10 +119,13 @@ def test_prediction_replays_the_engine_exactly(tiny, calibration, cfg, monkeypat
     step = Prediction.step
     monkeypatch.setattr(Prediction, "step", lambda self, d, n, t: (replayed.append((d, n)), step(self, d, n, t))[1])
     pred = predict(cfg, cal, tiny.cost_model())
-    drafter = tiny.drafter(cfg)
-    accepted = drafter.accepted
-    monkeypatch.setattr(drafter, "accepted", lambda st, draft, n: (real.append((len(draft.tokens), n)), accepted(st, draft, n))[1])
-    stats = [tiny.generate(p, max_new_tokens=N_NEW, draft=cfg).stats for p in ps]
+    stats = []
+    for p in ps:  # each generation its own drafter, watched at every verify step
+        drafter = tiny.drafter(cfg)
+        accepted = drafter.accepted
+        drafter.accepted = lambda st, draft, n, accepted=accepted: (real.append((len(draft.tokens), n)), accepted(st, draft, n))[1]
+        stats.append(generate(tiny.runtime, drafter, tiny.encode(p), ar_gen(N_NEW), SamplingConfig(), tiny.tokenizer,
+                              tiny.eos_token_ids).stats)
     assert len(real) == sum(s.verify_steps for s in stats) and pred.tokens == sum(s.new_tokens - 1 for s in stats)
     assert sum(n for _, n in real) > 0, "nothing accepted: a replay of rejections only proves little"
     if cfg.draft_threshold is None:
@@ -249,14 +253,14 @@ def test_auto_drafts_on_an_ideal_model():
     come from costs, so the costs are fixed here (a draft token: 2 layers + a 1-layer head,
     against 7 for a step) and the online correction by observed step times is off."""
     m = _ideal()
-    m.cost_model = lambda draft_vocabs=(): _fake_costs(L=6, head=1.0)
+    m.resources.cost_model = lambda heads=(), bits=(): _fake_costs(L=6, head=1.0)
     d = m.drafter(DraftConfig("auto"))
     d.timing = False
     p = prompts(n=1, lengths=(24,))[0]
     ar = ar_generate(m, p, max_new_tokens=64)
-    out = m.generate(p, max_new_tokens=64, strategy="auto")
+    out = generate(m.runtime, d, p, ar_gen(64), SamplingConfig())
     assert out.token_ids == ar.token_ids
-    assert m.drafter(DraftConfig("auto")) is d
+    assert out.stats.draft["source"] == "calibrated" and out.stats.draft["draft"] == d.base.cfg.to_dict()
     assert d.base.cfg.strategy == "early-exit" and d.base.cfg.exit_layer <= 2, d.base.cfg
     assert out.stats.acceptance_rate > 0.95
     assert out.stats.mean_accepted_length > 3
@@ -272,8 +276,8 @@ def test_auto_uses_an_installed_profile(tmp_path, monkeypatch):
     path = install_profile(prof)
     assert path.exists()
     out = m.generate(prompts(n=1, lengths=(12,))[0], max_new_tokens=20, strategy="auto")
-    d = m.drafter(DraftConfig("auto"))
-    assert d.base.cfg == prof.draft
+    assert out.stats.draft["draft"] == prof.draft.to_dict() and out.stats.draft["source"] == "profile"
+    assert out.stats.draft["label"] == f"auto: {prof.draft.label()} (profile)"
     assert out.stats.drafted > 0
 
 
@@ -383,7 +387,7 @@ def test_adapter_keys_and_values_cover_every_position(zoo, mode):
     inner = ExitAdapterDrafter(m.runtime, cfg, adapter=a)
     drafter = {"plain": inner, "sampling": inner, "lookup_first": LookupFirstDrafter(inner, cfg.replace(lookup_first=True)),
                "auto_calibrated": AutoDrafter(m.runtime, DraftConfig("auto"), costs=_fake_costs(L=m.spec.num_layers, draft_head=0.01),
-                                              choose_base=lambda ids, captured: (inner, 0.9), timing=False)}[mode]
+                                              choose_base=lambda ids, captured, cache: (inner, 0.9), timing=False)}[mode]
     ids = [int(t) for t in torch.randint(3, VOCAB, (10,), generator=torch.Generator().manual_seed(1))] * 2  # repeats: lookup matches
     sampling = SamplingConfig(temperature=0.9, seed=2) if mode == "sampling" else SamplingConfig()
     out = generate(m.runtime, drafter, ids, GenerationConfig(max_new_tokens=N_NEW), sampling)

@@ -26,7 +26,13 @@ from selfspec.loading import cache_root
 from selfspec.profiles import atomic_write_text
 
 ROWS = (1, 2, 3, 5, 9, MAX_SPECULATIONS + 1)  # row counts timed; others interpolate
-FORMAT = "selfspec-costs/2"
+FORMAT = "selfspec-costs/3"
+
+
+def head_key(n: int | None, bits: int | None) -> int | str:
+    """The key of a draft head's cost: its vocabulary size (the model's own head restricted),
+    or "N/bits" for a quantized one ("full/8": all of the vocabulary, int8)."""
+    return n if bits is None else f"{n or 'full'}/{bits}"
 
 
 def _interp(table: dict[int, float], rows: int) -> float:
@@ -42,14 +48,17 @@ class CostModel:
     attn: dict[int, float]  # one attention sub-layer (norm, qkv, rope, cache write, attention, out)
     mlp: dict[int, float]  # one MLP sub-layer
     head: dict[int, float]  # final norm + full LM head
-    draft_heads: dict[int, float] = field(default_factory=dict)  # draft vocab N -> 1-row restricted head
+    draft_heads: dict[int | str, float] = field(default_factory=dict)  # head_key -> a 1-row draft head
     embed: float = 0.0
     step_overhead: float = 0.0  # per forward call beyond its parts (masks, Python), measured
+    quant_layers: dict[int, tuple[float, float]] = field(default_factory=dict)  # bits -> 1-row (attention, MLP) of the quantized copy
 
     @classmethod
-    def measure(cls, runtime, draft_vocabs: dict[int, object] | None = None, repeats: int = 5, layers: int = 3) -> "CostModel":
+    def measure(cls, runtime, draft_heads: dict[int | str, object] | None = None, quantized: dict | None = None,
+                repeats: int = 5, layers: int = 3) -> "CostModel":
         """Median of `repeats` timings per primitive, averaged over `layers` evenly spaced
-        layers. `draft_vocabs`: N -> prepared restricted head (runtime.prepare_weight)."""
+        layers. `draft_heads`: head_key -> a head as the runtime multiplies it (prepared or
+        quantized); `quantized`: bits -> the quantized copy of the runtime (1-row sub-layers)."""
         clock = time.perf_counter
         cache = runtime.new_cache(256)
         L = runtime.num_layers
@@ -78,7 +87,12 @@ class CostModel:
                 attn[r], mlp[r] = statistics.mean(ta), statistics.mean(tm)
                 head[r] = timed(lambda: runtime.logits(h))
             h1 = (torch.randn(1, H, generator=gen) * 0.1).to(runtime.device, runtime.dtype)
-            drafts = {n: timed(lambda w=w: runtime.logits(h1, head=w)) for n, w in (draft_vocabs or {}).items()}
+            drafts = {k: timed(lambda w=w: runtime.logits(h1, head=w)) for k, w in (draft_heads or {}).items()}
+            quant = {}
+            for bits, q in (quantized or {}).items():
+                qa = [timed(lambda: q.run_layers(h1, i, i + 1, 100, cache, frozenset(), all_layers)) for i in probe_layers]
+                qm = [timed(lambda: q.run_layers(h1, i, i + 1, 100, cache, all_layers, frozenset())) for i in probe_layers]
+                quant[bits] = (statistics.mean(qa), statistics.mean(qm))
             ids = torch.tensor([1], device=runtime.device)
             embed = timed(lambda: runtime.embed(ids))
             # What a whole call costs beyond its parts (masks, Python per call): every
@@ -90,17 +104,18 @@ class CostModel:
             for a, b in zip(ROWS, ROWS[1:]):
                 table[b] = max(table[b], table[a])
         overhead = max(0.0, forward - (embed + L * (attn[1] + mlp[1]) + head[1]))
-        return cls(L, attn, mlp, head, drafts, embed, overhead)
+        return cls(L, attn, mlp, head, drafts, embed, overhead, quant)
 
     # -- composite costs ------------------------------------------------------------------
 
     def layers(self, n: int, rows: int = 1) -> float:
         return n * (_interp(self.attn, rows) + _interp(self.mlp, rows))
 
-    def draft_head(self, draft_vocab: int | None) -> float:
-        if draft_vocab is None or draft_vocab not in self.draft_heads:
+    def draft_head(self, draft_vocab: int | None, bits: int | None = None) -> float:
+        key = head_key(draft_vocab, bits)
+        if key is None or key not in self.draft_heads:
             return _interp(self.head, 1)
-        return self.draft_heads[draft_vocab]
+        return self.draft_heads[key]
 
     @property
     def ar_step(self) -> float:
@@ -114,11 +129,12 @@ class CostModel:
         """Seconds to draft one token with cfg."""
         if cfg.strategy in ("early-exit", "exit-adapter"):
             return self.embed + self.layers(cfg.exit_layer) + self.draft_head(cfg.draft_vocab) + adapter_cost + self.step_overhead
-        if cfg.strategy == "layer-skip":
-            n_attn = self.num_layers - len(cfg.skip_attn)
-            n_mlp = self.num_layers - len(cfg.skip_mlp)
-            return (self.embed + n_attn * _interp(self.attn, 1) + n_mlp * _interp(self.mlp, 1) + self.draft_head(cfg.draft_vocab)
-                    + self.step_overhead)
+        if cfg.strategy in ("layer-skip", "quantized"):
+            E = cfg.exit_layer or self.num_layers
+            n_attn = E - sum(1 for i in cfg.skip_attn if i < E)
+            n_mlp = E - sum(1 for i in cfg.skip_mlp if i < E)
+            a, m = (_interp(self.attn, 1), _interp(self.mlp, 1)) if cfg.strategy == "layer-skip" else self.quant_layers[cfg.draft_bits]
+            return self.embed + n_attn * a + n_mlp * m + self.draft_head(*cfg.draft_head()) + self.step_overhead
         return 0.0  # prompt-lookup: a list scan, negligible next to a forward pass
 
     def verify_step(self, cfg: DraftConfig, drafted: int, exit_cached: bool) -> float:
@@ -137,15 +153,18 @@ class CostModel:
         return {
             "num_layers": self.num_layers,
             "attn_s": self.attn, "mlp_s": self.mlp, "head_s": self.head,
-            "draft_heads_s": self.draft_heads, "embed_s": self.embed, "call_overhead_s": self.step_overhead,
+            "draft_heads_s": {str(k): v for k, v in self.draft_heads.items()}, "embed_s": self.embed,
+            "call_overhead_s": self.step_overhead, "quant_layers_s": {str(b): list(v) for b, v in self.quant_layers.items()},
             "ar_step_s": self.ar_step,
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostModel":
         table = lambda t: {int(k): float(v) for k, v in t.items()}  # noqa: E731
+        heads = {(int(k) if k.isdigit() else k): float(v) for k, v in d["draft_heads_s"].items()}
+        quant = {int(b): (float(v[0]), float(v[1])) for b, v in d.get("quant_layers_s", {}).items()}
         return cls(int(d["num_layers"]), table(d["attn_s"]), table(d["mlp_s"]), table(d["head_s"]),
-                   table(d["draft_heads_s"]), float(d["embed_s"]), float(d["call_overhead_s"]))
+                   heads, float(d["embed_s"]), float(d["call_overhead_s"]), quant)
 
 
 def costs_path(identity: dict) -> Path:

@@ -279,8 +279,7 @@ def run_worker(model, cfg: SearchConfig, storage: str, study_name: str, cal: Cal
     L, V = model.spec.num_layers, model.spec.vocab_size
     adapter, adapter_cost, adapter_exit = None, 0.0, None
     if cfg.adapter:
-        ad_cfg = DraftConfig("exit-adapter", adapter=cfg.adapter)
-        adapter = model.drafter(ad_cfg).adapter
+        adapter, _ = model.resources.adapter(cfg.adapter)
         adapter_exit = adapter.meta.exit_layer
         adapter_cost = _time_adapter(adapter, model)
     prompts = [s.prompt for s in cal.seqs]
@@ -308,7 +307,7 @@ def run_worker(model, cfg: SearchConfig, storage: str, study_name: str, cal: Cal
             value = m["measured_speedup"]
         else:
             value = pred.speedup
-        log(f"trial {trial.number}: {_label(d)}  speedup {value:.3f}  acceptance {pred.acceptance_rate:.0%}  c {c:.2f}")
+        log(f"trial {trial.number}: {d.label()}  speedup {value:.3f}  acceptance {pred.acceptance_rate:.0%}  c {c:.2f}")
         return value
 
     # A start line: workers spend their first seconds loading and calibrating; the one that
@@ -335,19 +334,6 @@ def _time_adapter(adapter, model, repeats: int = 20) -> float:
         for _ in range(repeats):
             adapter(h)
     return (time.perf_counter() - t0) / repeats
-
-
-def _label(d: DraftConfig) -> str:
-    if d.strategy == "prompt-lookup":
-        return f"prompt-lookup K={d.num_speculations} n={d.max_ngram}"
-    length = f"gamma={d.draft_threshold:.2f}" if d.draft_threshold is not None else f"K={d.num_speculations}"
-    vocab = f"vocab={d.draft_vocab or 'full'}"
-    vocab += " +lookup" if d.lookup_first else ""
-    if d.strategy in ("early-exit", "exit-adapter"):
-        return f"{d.strategy} E={d.exit_layer} {length} {vocab}"
-    if d.strategy == "layer-skip":
-        return f"layer-skip attn={list(d.skip_attn)} mlp={list(d.skip_mlp)} {length} {vocab}"
-    return d.strategy
 
 
 def trial_rows(study) -> list[dict]:
@@ -435,7 +421,7 @@ def summary(study) -> dict:
         s = r.get("draft", {}).get("strategy")
         if s and (s not in by or r["value"] > by[s]["value"]):
             by[s] = r
-    return {s: {"value": r["value"], "label": _label(DraftConfig.from_dict(r["draft"])), "c": r.get("c"),
+    return {s: {"value": r["value"], "label": DraftConfig.from_dict(r["draft"]).label(), "c": r.get("c"),
                 "acceptance_rate": r.get("acceptance_rate"), "draft": r["draft"]} for s, r in by.items()}
 
 

@@ -133,7 +133,7 @@ def cmd_search(args) -> int:
 
     best, metrics = S.best_of(study)
     if cfg.confirm and not interrupted:
-        log(f"confirming the winner by measurement: {S._label(best)}")
+        log(f"confirming the winner by measurement: {best.label()}")
         metrics.update(S.measure(model, best, prompts, cfg.max_new_tokens))
         if not metrics["identical_to_autoregressive"]:
             raise SelfSpecError("the winner's output differs from plain decoding: please report this bug")
@@ -161,7 +161,7 @@ def cmd_search(args) -> int:
         t.add_row(strat, r["label"], f"{r['value']:.3f}", f"{(r['acceptance_rate'] or 0):.0%}", f"{(r['c'] or 0):.2f}")
     Console().print(t)
     if "measured_speedup" in metrics:
-        print(f"winner {S._label(best)}: predicted {metrics.get('predicted_speedup', 0):.3f}x, measured "
+        print(f"winner {best.label()}: predicted {metrics.get('predicted_speedup', 0):.3f}x, measured "
               f"{metrics['measured_speedup']:.3f}x, identical output: {metrics['identical_to_autoregressive']}")
     print(f"wrote {out_dir / 'profile.json'}, {out_dir / 'history.png'}, {out_dir / 'search.json'}", file=sys.stderr)
     if metrics["slower_than_autoregressive"]:

@@ -113,24 +113,14 @@ def model_info(model) -> dict:
 
 
 def strategy_label(d: dict | DraftConfig) -> str:
-    d = d.to_dict() if isinstance(d, DraftConfig) else d
-    s = d.get("strategy", "?")
-    parts = [s]
-    if s in ("early-exit", "exit-adapter"):
-        parts.append(f"E={d.get('exit_layer')}")
-    elif s == "layer-skip":
-        parts.append(f"attn={','.join(map(str, d.get('skip_attn') or [])) or '-'} mlp={','.join(map(str, d.get('skip_mlp') or [])) or '-'}")
-    elif s == "prompt-lookup":
-        parts.append(f"n={d.get('max_ngram')}")
-    elif s == "draft-model":
-        parts.append(str(d.get("draft_model")))
-    if s != "autoregressive":
-        parts.append(f"K={d.get('num_speculations')}")
-    if d.get("draft_threshold") is not None:
-        parts.append(f"thr={d['draft_threshold']}" + ("(adaptive)" if d.get("adaptive") else ""))
-    if d.get("draft_vocab"):
-        parts.append(f"vocab={d['draft_vocab']}")
-    return " ".join(parts)
+    """DraftConfig.label() of a configuration or its saved dict (older result files: the
+    strategy name when the dict no longer makes a valid configuration)."""
+    if isinstance(d, DraftConfig):
+        return d.label()
+    try:
+        return DraftConfig.from_dict(d).label()
+    except (SelfSpecError, TypeError):
+        return str(d.get("strategy", "?"))
 
 
 def now() -> str:

@@ -143,7 +143,7 @@ def cmd_sweep(args) -> int:
     dataset = _dataset(args)
     model = load_model(args)
     if args.strategy == "exit-adapter":
-        rows = [model.drafter(DraftConfig("exit-adapter", adapter=args.adapter)).adapter.meta.exit_layer]
+        rows = [model.resources.adapter(args.adapter)[0].meta.exit_layer]
     elif args.strategy == "early-exit":
         L = model.spec.num_layers
         if rows_text is None:  # about six exit layers across the depth

@@ -1,0 +1,141 @@
+"""auto, the default strategy: draft only while it pays (see AutoDrafter)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from selfspec.drafters.base import Drafter
+from selfspec.predictor.calibrate import prefill_capturing
+from selfspec.predictor.simulate import expected_tokens
+
+NEAR_TIE = 0.03
+
+
+class AutoDrafter(Drafter):
+    """Draft only while it pays. Wraps a base drafter (from the model's profile, or chosen
+    by calibration) and before each step predicts, for every k <= K,
+
+        S(k) = E[N](alpha, k) * t_ar / (k * t_draft + t_verify(k))
+
+    from a measured CostModel (predictor.costs) corrected online by the ratio of observed to
+    modelled step times, and an online acceptance estimate alpha = A / (A + R): decayed
+    counts of accepted drafts and of rejections (greedy acceptance stops at the first
+    rejection, so each step is A += n, R += [n < drafted]). It drafts with the best k, or
+    not at all when no k beats plain decoding; then it re-probes with k = 1 after a
+    back-off that doubles (up to MAX_BACKOFF steps) while probes keep failing. A bad draft
+    thus costs a few k = 1 probes, and output never changes: every step is verified."""
+
+    name = "auto"
+    DECAY = 0.9  # per drafting step, on A and R: recent acceptance matters most
+    BASE_BACKOFF, MAX_BACKOFF = 8, 128
+    PRIOR = (1.0, 1.0)  # without calibration, alpha starts at 0.5, worth two observations
+    PRIOR_WEIGHT = 4.0
+
+    def __init__(self, runtime, cfg, eos_ids=(), base: Drafter | None = None, costs=None,
+                 choose_base=None, capture_exits: tuple[int, ...] = (), prior: tuple[float, float] | None = None,
+                 timing: bool = True, source: str = "given"):
+        super().__init__(runtime, cfg, eos_ids)
+        self.base, self.costs = base, costs
+        self.source = source if choose_base is None else "calibrated"  # where the base came from: given | profile | calibrated
+        self.choose_base = choose_base  # (ids, captured hidden states, cache) -> (Drafter, alpha), without a base
+        self.capture_exits = capture_exits
+        self.prior = prior or self.PRIOR
+        self.timing = timing  # correct the cost model by observed step times (greedy only)
+        self.decisions: list[int] = []  # k chosen per step (0 = plain decoding), for stats/tests
+
+    @property
+    def max_draft(self) -> int:
+        return self.base.cfg.num_speculations if self.base is not None else self.cfg.num_speculations
+
+    def prefill(self, ids, cache):
+        self._reset()
+        if self.choose_base is None:
+            self._model_costs()
+            return self.base.prefill(ids, cache)
+        # No profile: the prefill itself keeps the hidden states calibration scores, so
+        # choosing a draft costs only a few head evaluations, not a second pass.
+        logits, captured = prefill_capturing(self.rt, ids, cache, self.capture_exits)
+        self.base, alpha = self.choose_base(ids.tolist(), captured, cache)
+        if alpha is not None:  # calibration measured acceptance: start from it, worth PRIOR_WEIGHT steps
+            self.A, self.R = self.PRIOR_WEIGHT * alpha, self.PRIOR_WEIGHT * (1 - alpha)
+        self.base.start(cache)
+        self._model_costs()
+        return logits
+
+    def describe(self) -> dict:
+        """The draft auto gated this generation (its profile's, the given one, or calibration's
+        choice for this prompt), and how many of its steps drafted nothing."""
+        if self.base is None:
+            return {"draft": None, "label": "auto (no draft chosen yet)", "source": self.source}
+        return {"draft": self.base.cfg.to_dict(), "label": f"auto: {self.base.cfg.label()} ({self.source})",
+                "source": self.source, "plain_steps": self.decisions.count(0), "steps": len(self.decisions)}
+
+    def _model_costs(self) -> None:
+        """Modelled seconds of a step drafting k tokens, k = 0..K, for this generation's base:
+        fixed per generation, so the per-step decision is arithmetic only."""
+        c, cfg = self.costs, self.base.cfg
+        self._spec_s = [k * c.draft_token(cfg) + c.verify_step(cfg, k, exit_cached=False) for k in range(self.max_draft + 1)]
+
+    def _reset(self) -> None:
+        self.A, self.R = self.prior
+        self.wait, self.backoff = 0, self.BASE_BACKOFF
+        self.scale_ar = self.scale_spec = 1.0  # observed / modelled step time
+        self.decisions = []
+        self._clock = time.perf_counter
+
+    def predicted(self, k: int) -> float:
+        """Predicted speedup of drafting k tokens this step."""
+        alpha = self.A / (self.A + self.R)
+        return expected_tokens(alpha, k) * self.costs.ar_step * self.scale_ar / (self._spec_s[k] * self.scale_spec)
+
+    def _best_k(self, kmax: int) -> tuple[int, float]:
+        """The longest k within NEAR_TIE of the best prediction (fixed per-step costs the
+        model leaves out, the engine's bookkeeping, favour fewer, longer steps), and its
+        predicted speedup."""
+        preds = [self.predicted(k) for k in range(1, kmax + 1)]
+        top = max(preds)
+        k = max(k for k, p in enumerate(preds, 1) if p >= top * (1 - NEAR_TIE))
+        return k, preds[k - 1]
+
+    def _plan(self, limit: int) -> int:
+        if limit <= 0:
+            return 0
+        best, speedup = self._best_k(min(self.max_draft, limit))
+        if speedup >= 1.0:
+            return best
+        if self.wait > 0:
+            self.wait -= 1
+            return 0
+        return 1  # probe
+
+    def draft(self, step):
+        k = self._plan(step.k)
+        self._k, self._t0 = k, self._clock()
+        return self.base.draft(replace(step, k=k))  # k = 0 still resets the base's per-step state
+
+    def verify(self, step, draft):
+        return self.base.verify(step, draft)
+
+    def accepted(self, step, draft, n):
+        self.base.accepted(step, draft, n)
+        d = len(draft.tokens)
+        elapsed = self._clock() - self._t0
+        self.decisions.append(self._k)
+        # Observed/modelled time corrects the cost model online. Greedy only: when sampling,
+        # the choice of k decides how the RNG is consumed, and a seed must reproduce the
+        # output, so decisions there depend on acceptance and the (per-model) costs alone.
+        timing = self.timing and step.sampling.greedy
+        if self._k == 0 or d == 0:  # a plain decoding step (or a draft that came back empty)
+            if timing:
+                self.scale_ar = 0.8 * self.scale_ar + 0.2 * elapsed / self.costs.ar_step
+            return
+        if timing:
+            self.scale_spec = 0.8 * self.scale_spec + 0.2 * elapsed / self._spec_s[d]
+        self.A = self.DECAY * self.A + n
+        self.R = self.DECAY * self.R + (n < d)
+        if self._best_k(self.max_draft)[1] >= 1.0:
+            self.backoff = self.BASE_BACKOFF
+        else:  # this step (a probe, or drafting that stopped paying): back off
+            self.wait = self.backoff
+            self.backoff = min(2 * self.backoff, self.MAX_BACKOFF)

@@ -1,0 +1,86 @@
+"""The protocol every draft strategy speaks with the engine (engine.py runs it):
+
+    prefill(ids, cache)   -> logits [V] of the prompt's last position; starts a generation
+    draft(step)           -> Draft: up to step.k proposed tokens (and, when sampling, the
+                             distribution each was drawn from)
+    verify(step, draft)   -> target logits [len(draft)+1, V] for the pending token and every
+                             drafted token, all from the *full* model
+    accepted(step, draft, n)  the verifier kept n drafts (adaptation, per-position state)
+    verify_foreign(step, draft)   verify drafts another drafter made (prompt lookup's, for
+                             lookup-first), keeping this drafter's own per-position state whole
+    max_draft             K, the most tokens a step may draft (known after prefill)
+    describe()            what it drafted with, for the generation's stats
+
+The engine owns the KV cache and passes it in `step`; drafters write to it at positions
+step.pos.. and never undo anything: a rejected position is simply overwritten by a later
+step (see cache.py). A drafter holds one generation's state; what it drafts *with* (heads,
+quantized weights, adapters, costs) is the model's, shared (resources.py). `Drafter` itself
+is the degenerate strategy, autoregressive: it drafts nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from selfspec.cache import KVCache
+from selfspec.config import DraftConfig, SamplingConfig
+from selfspec.runtime import Runtime
+from selfspec.sampling import Dist
+
+
+@dataclass
+class Step:
+    """What a drafter may look at for one speculative step."""
+
+    tokens: list[int]  # the whole context so far; tokens[-1] is the pending token
+    pos: int  # position of the pending token (its KV is not in the cache yet)
+    k: int  # the most tokens to draft this step
+    cache: KVCache
+    sampling: SamplingConfig
+    rng: torch.Generator
+
+
+@dataclass
+class Draft:
+    tokens: list[int] = field(default_factory=list)
+    dists: list[Dist] = field(default_factory=list)  # the distribution each token was drawn from; sampling only
+
+
+class Drafter:
+    """Autoregressive decoding as a drafter: no drafts, verification is one full step."""
+
+    name = "autoregressive"
+
+    def __init__(self, runtime: Runtime, cfg: DraftConfig, eos_ids: tuple[int, ...] = ()):
+        self.rt = runtime
+        self.cfg = cfg
+        self.eos_ids = set(eos_ids)
+
+    @property
+    def max_draft(self) -> int:
+        return self.cfg.num_speculations if self.cfg.speculative else 0
+
+    def prefill(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        self.start(cache)
+        return self.rt.forward(ids, 0, cache, last_only=True)[0]
+
+    def start(self, cache: KVCache) -> None:
+        """Reset per-generation state (nothing here)."""
+
+    def draft(self, step: Step) -> Draft:
+        return Draft()
+
+    def verify(self, step: Step, draft: Draft) -> torch.Tensor:
+        ids = torch.tensor([step.tokens[-1], *draft.tokens], device=self.rt.device)
+        return self.rt.forward(ids, step.pos, step.cache)
+
+    def verify_foreign(self, step: Step, draft: Draft) -> torch.Tensor:
+        return Drafter.verify(self, step, draft)
+
+    def accepted(self, step: Step, draft: Draft, n: int) -> None:
+        pass
+
+    def describe(self) -> dict:
+        return {"draft": self.cfg.to_dict(), "label": self.cfg.label()}

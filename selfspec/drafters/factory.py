@@ -1,0 +1,100 @@
+"""Building a generation's drafter from a DraftConfig and the model's shared resources."""
+
+from __future__ import annotations
+
+from selfspec.config import DraftConfig
+from selfspec.errors import SelfSpecError
+from selfspec.drafters.auto import AutoDrafter
+from selfspec.drafters.base import Drafter
+from selfspec.drafters.draft_model import DraftModelDrafter
+from selfspec.drafters.early_exit import EarlyExitDrafter, ExitAdapterDrafter
+from selfspec.drafters.layer_skip import LayerSkipDrafter
+from selfspec.drafters.lookup import PromptLookupDrafter
+from selfspec.drafters.lookup_first import LookupFirstDrafter
+from selfspec.drafters.quantized import QuantizedDrafter
+from selfspec.predictor.calibrate import AUTO_DRAFT_VOCAB, calibrate, calibration_exits
+from selfspec.profiles import installed_profile
+from selfspec.resources import DraftResources
+
+
+def build(cfg: DraftConfig, res: DraftResources, eos_ids: tuple[int, ...] = (), vocab: bool = True) -> Drafter:
+    """A new drafter for one generation of cfg (its state is its own; the weights it drafts
+    with are `res`'s, made on first use). vocab=False: leave cfg.draft_vocab to the caller
+    (set_draft_vocab), e.g. without token frequencies."""
+    rt = res.runtime
+    cfg.check_model(rt.num_layers, rt.spec.vocab_size)
+    if cfg.strategy == "auto":
+        return build_auto(cfg, res, eos_ids)
+    if cfg.lookup_first:  # the inner self-drafter's own configuration has no lookup part
+        inner = build(cfg.replace(lookup_first=False, max_ngram=DraftConfig.max_ngram), res, eos_ids, vocab)
+        return LookupFirstDrafter(inner, cfg)
+    s = cfg.strategy
+    if s == "autoregressive":
+        return Drafter(rt, cfg, eos_ids)
+    if s == "prompt-lookup":
+        return PromptLookupDrafter(rt, cfg, eos_ids)
+    if s == "draft-model":
+        d = DraftModelDrafter(rt, cfg, eos_ids, res.draft_model(cfg.draft_model))
+        if cfg.draft_vocab is not None and vocab:  # restricts the draft model's own logits
+            d.set_draft_vocab(res.draft_vocabulary(cfg.draft_vocab))
+        return d
+    if s == "exit-adapter":
+        adapter, weights = res.adapter(cfg.adapter, cfg.exit_layer)
+        d = ExitAdapterDrafter(rt, cfg.replace(exit_layer=adapter.meta.exit_layer), eos_ids, adapter, weights)
+    elif s == "early-exit":
+        d = EarlyExitDrafter(rt, cfg, eos_ids)
+    elif s == "layer-skip":
+        d = LayerSkipDrafter(rt, cfg, eos_ids)
+    elif s == "quantized":
+        d = QuantizedDrafter(rt, cfg, eos_ids, draft_rt=res.quantized(cfg.draft_bits))
+        d.set_draft_vocab(*res.draft_head(cfg.draft_vocab if vocab else None, cfg.head_bits))
+        return d
+    else:  # pragma: no cover - DraftConfig validates strategies
+        raise AssertionError(s)
+    if cfg.draft_vocab is not None and vocab:
+        d.set_draft_vocab(*res.draft_head(cfg.draft_vocab))
+    return d
+
+
+def make_drafter(runtime, cfg: DraftConfig, eos_ids: tuple[int, ...] = (), draft_runtime=None, adapter=None) -> Drafter:
+    """A drafter of cfg on a runtime alone, with no model around (tests, experiments): the draft
+    model's runtime and the adapter are given, and a restricted vocabulary is set by the caller
+    (set_draft_vocab). auto needs a model's profile and costs: SelfSpecModel.drafter."""
+    if cfg.strategy == "auto":
+        raise SelfSpecError("the auto strategy is built by SelfSpecModel.drafter (it needs the model's profile and costs)")
+    res = DraftResources(runtime, fingerprint="")
+    if draft_runtime is not None:
+        res.provide_draft_model(cfg.draft_model, draft_runtime)
+    if adapter is not None:
+        res.provide_adapter(cfg.adapter, adapter)
+    return build(cfg, res, eos_ids, vocab=False)
+
+
+def costs_for(cfg: DraftConfig, res: DraftResources):
+    """The measured costs a drafter of cfg is modelled with (its draft head and quantized copy)."""
+    return res.cost_model(heads=(cfg.draft_head(),), bits=(cfg.draft_bits,) if cfg.strategy == "quantized" else ())
+
+
+def build_auto(cfg: DraftConfig, res: DraftResources, eos_ids: tuple[int, ...] = ()) -> AutoDrafter:
+    """auto gates cfg.base, else the model's installed profile, else a draft chosen per prompt
+    by calibration (predictor/calibrate.py)."""
+    rt = res.runtime
+    base_cfg, source = cfg.base, "given"
+    if base_cfg is None:
+        prof = installed_profile(res.fingerprint)
+        if prof is not None:
+            base_cfg, source = (prof.draft.base if prof.draft.strategy == "auto" else prof.draft), "profile"
+    if base_cfg is not None:
+        return AutoDrafter(rt, cfg, eos_ids, base=build(base_cfg, res, eos_ids), costs=costs_for(base_cfg, res), source=source)
+    n = cfg.draft_vocab
+    if n is None and rt.spec.vocab_size > 2 * AUTO_DRAFT_VOCAB and res.has_token_order():
+        n = AUTO_DRAFT_VOCAB  # FR-Spec: on a big vocabulary the full draft head would dominate
+    costs = res.cost_model(heads=((n, None),) if n else ())
+    vocab, head = res.draft_head(n) if n else (None, None)
+
+    def choose_base(ids: list[int], captured: dict, cache) -> tuple[Drafter, float | None]:
+        chosen, pred = calibrate(rt, ids, costs, cfg, captured, head, vocab, n)
+        alpha = None if pred is None or not pred.drafted else pred.acceptance_rate
+        return build(chosen, res, eos_ids), alpha
+
+    return AutoDrafter(rt, cfg, eos_ids, costs=costs, choose_base=choose_base, capture_exits=calibration_exits(rt.num_layers))

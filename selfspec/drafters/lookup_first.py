@@ -1,0 +1,43 @@
+"""Lookup-first: prompt lookup when the context has a match (free drafts), else the wrapped
+self-drafter."""
+
+from __future__ import annotations
+
+from selfspec.config import DraftConfig
+from selfspec.drafters.base import Draft, Drafter
+from selfspec.drafters.lookup import PromptLookupDrafter
+
+
+class LookupFirstDrafter(Drafter):
+    """The wrapped drafter verifies lookup drafts too (verify_foreign: a full forward pass, or
+    early exit's split one), so any per-position state it keeps stays whole; its adaptation
+    follows its own drafts only."""
+
+    def __init__(self, inner: Drafter, cfg: DraftConfig):
+        super().__init__(inner.rt, cfg, tuple(inner.eos_ids))
+        self.inner = inner
+        lookup = DraftConfig("prompt-lookup", num_speculations=cfg.num_speculations, max_ngram=cfg.max_ngram)
+        self.lookup = PromptLookupDrafter(inner.rt, lookup, tuple(inner.eos_ids))
+        self.name = f"{inner.name}+lookup"
+        self._from_lookup = False
+
+    def prefill(self, ids, cache):
+        return self.inner.prefill(ids, cache)
+
+    def start(self, cache):
+        self.inner.start(cache)
+
+    def draft(self, step):
+        d = self.lookup.draft(step) if step.k > 0 else Draft()
+        self._from_lookup = bool(d.tokens)
+        return d if d.tokens else self.inner.draft(step)
+
+    def verify(self, step, draft):
+        return self.inner.verify_foreign(step, draft) if self._from_lookup else self.inner.verify(step, draft)
+
+    def verify_foreign(self, step, draft):
+        return self.inner.verify_foreign(step, draft)
+
+    def accepted(self, step, draft, n):
+        if not self._from_lookup:
+            self.inner.accepted(step, draft, n)

@@ -1,0 +1,181 @@
+"""What the drafters of one model draft *with*: made from the loaded model on first use,
+shared by every drafter (a drafter holds one generation's state only), and kept within bounds
+however many draft configurations a long-running process serves.
+
+    draft_head(n, bits)   the LM head over the n most frequent tokens (n None: all of them),
+                          prepared for the runtime or quantized to `bits`
+    quantized(bits)       a copy of the model whose layers are `bits`-bit (runtime.quantized)
+    adapter(path)         a trained exit adapter, checked against the model, with its matrices
+                          prepared for the runtime
+    draft_model(source)   the runtime of a separate draft model
+    cost_model(...)       measured primitive costs (predictor/costs.py), kept on disk per machine
+"""
+
+from __future__ import annotations
+
+import platform
+import threading
+from collections import OrderedDict
+
+import torch
+
+from selfspec import kernels
+from selfspec.adapter import load_adapter, prepared_weights
+from selfspec.architectures import ModelSpec
+from selfspec.errors import SelfSpecError
+from selfspec.loading import cache_root, load_source, resolve_tokenizer
+from selfspec.predictor.costs import CostModel, head_key, load_costs, save_costs
+from selfspec.runtime import Runtime, quantize_columns
+
+MAX_DRAFT_HEADS = 8  # restricted / quantized draft heads
+MAX_QUANTIZED = 2  # quantized copies of the model (int8: half the model's bytes each)
+MAX_ADAPTERS = 4
+MAX_DRAFT_MODELS = 2
+
+
+def _lru_get(cache: OrderedDict, key, make, limit: int):
+    """cache[key], made on a miss; the least recently used entries beyond `limit` are dropped."""
+    if key in cache:
+        cache.move_to_end(key)
+        return cache[key]
+    value = cache[key] = make()
+    while len(cache) > limit:
+        cache.popitem(last=False)
+    return value
+
+
+class DraftResources:
+    def __init__(self, runtime: Runtime, fingerprint: str, tokenizer=None):
+        self.runtime = runtime
+        self.spec = runtime.spec
+        self.fingerprint = fingerprint
+        self.tokenizer = tokenizer
+        self._token_order: torch.Tensor | None = None
+        self._heads: OrderedDict = OrderedDict()
+        self._quantized: OrderedDict = OrderedDict()
+        self._adapters: OrderedDict = OrderedDict()
+        self._draft_models: OrderedDict = OrderedDict()
+        self._costs: dict = {}
+        self._lock = threading.RLock()  # everything here is made once, whichever thread asks first
+
+    # ---- vocabularies and heads ---------------------------------------------------------
+
+    def draft_vocabulary(self, n: int) -> torch.Tensor:
+        """The n most frequent token ids (see draft_vocab.py), sorted by id."""
+        with self._lock:
+            if self._token_order is None:
+                if self.tokenizer is None:
+                    raise SelfSpecError("a restricted draft vocabulary needs token frequencies: load a tokenizer or call set_token_frequencies")
+                from selfspec.draft_vocab import cached_frequency_order
+
+                self._token_order = cached_frequency_order(self.tokenizer, self.spec.vocab_size, cache_root() / "draft-vocab")
+            return self._token_order[:n].sort().values.to(self.runtime.device)
+
+    def has_token_order(self) -> bool:
+        return self._token_order is not None or self.tokenizer is not None
+
+    def set_token_frequencies(self, order: torch.Tensor) -> None:
+        """Token ids, most frequent first: defines the restricted draft vocabularies."""
+        with self._lock:
+            self._token_order = order.to(torch.long)
+            self._heads.clear()
+
+    def draft_head(self, n: int | None, bits: int | None = None) -> tuple[torch.Tensor | None, object]:
+        """(vocab, head): the ids of the n most frequent tokens (None: the whole vocabulary) and
+        those LM-head columns, prepared for the runtime (bits None) or quantized to `bits`. The
+        full head unquantized is (None, None): the runtime's own."""
+        if n is None and bits is None:
+            return None, None
+        rt = self.runtime
+
+        def make():
+            vocab = None if n is None else self.draft_vocabulary(n)
+            if bits is None:
+                return vocab, rt.prepare_weight(rt.head_columns(vocab).contiguous())
+            cols = rt.head_weight() if vocab is None else rt.head_columns(vocab)
+            return vocab, quantize_columns(cols, bits)
+
+        with self._lock:
+            return _lru_get(self._heads, (n, bits), make, MAX_DRAFT_HEADS)
+
+    # ---- other drafting weights ---------------------------------------------------------
+
+    def quantized(self, bits: int) -> Runtime:
+        """The model with `bits`-bit layers (its own head stays; drafts pass theirs)."""
+        with self._lock:
+            return _lru_get(self._quantized, bits, lambda: self.runtime.quantized(bits), MAX_QUANTIZED)
+
+    def adapter(self, path: str, exit_layer: int | None = None):
+        """(ExitAdapter, its matrices as the runtime multiplies them), checked against this model."""
+        def make():
+            rt = self.runtime
+            adapter = load_adapter(path, rt.device)
+            meta = adapter.meta
+            if meta.model_fingerprint and meta.model_fingerprint != self.fingerprint:
+                raise SelfSpecError(f"the exit adapter {path} was trained for another model (fingerprint {meta.model_fingerprint}, this model is {self.fingerprint})")
+            if meta.hidden_size != self.spec.hidden_size:
+                raise SelfSpecError(f"the exit adapter {path} has hidden size {meta.hidden_size}; this model's is {self.spec.hidden_size}")
+            return adapter, prepared_weights(adapter, rt)
+
+        with self._lock:
+            adapter, w = _lru_get(self._adapters, str(path), make, MAX_ADAPTERS)
+        if exit_layer is not None and exit_layer != adapter.meta.exit_layer:
+            raise SelfSpecError(f"the exit adapter {path} was trained for exit layer {adapter.meta.exit_layer}, not {exit_layer}")
+        return adapter, w
+
+    def provide_adapter(self, path: str, adapter) -> None:
+        """Use an already loaded adapter for `path` (factory.make_drafter)."""
+        with self._lock:
+            self._adapters[str(path)] = (adapter, prepared_weights(adapter, self.runtime))
+
+    def provide_draft_model(self, source: str, runtime: Runtime) -> None:
+        """Use an already loaded draft model's runtime for `source` (factory.make_drafter)."""
+        with self._lock:
+            self._draft_models[source] = runtime
+
+    def draft_model(self, source: str) -> Runtime:
+        def make():
+            sd, config, tok, _ = load_source(source)
+            tok = resolve_tokenizer(tok)
+            spec = ModelSpec.from_hf_config(config)
+            if tok is not None and self.tokenizer is not None and tok.get_vocab() != self.tokenizer.get_vocab():
+                raise SelfSpecError(f"the draft model {source} uses another tokenizer than the target model")
+            if abs(spec.vocab_size - self.spec.vocab_size) > 1024:
+                raise SelfSpecError(f"the draft model's vocabulary ({spec.vocab_size}) does not match the target's ({self.spec.vocab_size})")
+            return Runtime.from_state_dict(spec, sd, config, self.runtime.dtype, self.runtime.device)
+
+        with self._lock:
+            return _lru_get(self._draft_models, source, make, MAX_DRAFT_MODELS)
+
+    # ---- costs --------------------------------------------------------------------------
+
+    def cost_model(self, heads: tuple[tuple[int | None, int | None], ...] = (), bits: tuple[int, ...] = ()) -> CostModel:
+        """Measured primitive costs (predictor.costs), for the draft heads (n, bits) and the
+        quantized copies `bits` given: measured once per machine and kept on disk, so auto's
+        decisions (and with them how sampling consumes the RNG) are the same on every load
+        and a seed reproduces its output."""
+        heads = tuple(sorted({h for h in heads if h != (None, None)}, key=str))
+        bits = tuple(sorted(set(bits)))
+        key = (heads, bits)
+        with self._lock:
+            if key not in self._costs:
+                ident = self._cost_identity(heads, bits)
+                costs = load_costs(ident)
+                if costs is None:
+                    costs = CostModel.measure(self.runtime, {head_key(*h): self.draft_head(*h)[1] for h in heads},
+                                              {b: self.quantized(b) for b in bits})
+                    save_costs(ident, costs)
+                self._costs[key] = costs
+            return self._costs[key]
+
+    def _cost_identity(self, heads, bits) -> dict:
+        rt = self.runtime
+        return {"model": self.fingerprint, "dtype": str(rt.dtype), "device": str(rt.device),
+                "kernels": kernels.build_id() if rt.uses_kernels else False, "threads": torch.get_num_threads(),
+                "torch": torch.__version__, "machine": platform.machine(), "cpu": platform.processor(),
+                "draft_heads": [head_key(*h) for h in heads], "quantized": list(bits)}
+
+    def bounded(self) -> dict[str, int]:
+        """How many of each resource are held (tests, /health)."""
+        return {"draft_heads": len(self._heads), "quantized": len(self._quantized), "adapters": len(self._adapters),
+                "draft_models": len(self._draft_models)}

@@ -1,0 +1,81 @@
+"""Quantized self-drafting (drafters/quantized.py): the model drafts with a low-bit copy of its
+own weights. Losslessness is in the engine's matrix (test_engine) and the distribution tests
+(test_distribution); here: what the copy shares and what it costs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import selfspec
+from selfspec.config import DraftConfig
+from selfspec.drafters import QuantizedDrafter
+from selfspec.errors import SelfSpecError
+from selfspec.kernels import QuantizedWeight
+from selfspec.runtime import Runtime
+
+from helpers import ar_generate, build_hf, prompts
+from test_kernels import needs_kernels
+
+pytestmark = needs_kernels
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = selfspec.load(build_hf("gemma3", seed=3, num_layers=4, hidden_size=128, intermediate_size=256, vocab_size=256,
+                               head_dim=32), dtype="bfloat16")
+    m.set_token_frequencies(torch.randperm(m.spec.vocab_size, generator=torch.Generator().manual_seed(0)))
+    return m
+
+
+def test_the_draft_shares_the_verifiers_cache(model, monkeypatch):
+    """One KV cache per generation: the copy writes its rows into the verifier's cache (which
+    verification overwrites), never a cache of its own."""
+    made = []
+    new_cache = Runtime.new_cache
+    monkeypatch.setattr(Runtime, "new_cache", lambda self, n: (made.append(self), new_cache(self, n))[1])
+    p = prompts(n=1, vocab=model.spec.vocab_size, lengths=(12,))[0]
+    out = model.generate(p, max_new_tokens=24, strategy="quantized", num_speculations=4)
+    assert out.stats.drafted > 0 and out.stats.accepted > 0
+    assert made == [model.runtime]  # the engine's cache, and no other
+    assert out.token_ids == ar_generate(model, p, max_new_tokens=24).token_ids
+
+
+def test_the_copy_is_made_once_and_shares_all_but_the_matrices(model):
+    d1 = model.drafter(DraftConfig("quantized"))
+    d2 = model.drafter(DraftConfig("quantized", num_speculations=7, lookup_first=True))
+    assert isinstance(d1, QuantizedDrafter) and d1.draft_rt is d2.inner.draft_rt  # one int8 copy for both
+    q, rt = d1.draft_rt, model.runtime
+    assert q is not rt and q.head is rt.head and q.final_norm is rt.final_norm and q._rope is rt._rope
+    assert all(isinstance(L[k], QuantizedWeight) and L[k].bits == 8 for L in q.layers for k in ("wqkv", "wo", "w_gate_up", "w_down"))
+    assert all(L["attn_norm"] is M["attn_norm"] for L, M in zip(q.layers, rt.layers))
+    assert isinstance(d1.draft_head, QuantizedWeight) and d1.draft_head.shape == (model.spec.hidden_size, model.spec.vocab_size)
+    d3 = model.drafter(DraftConfig("quantized", draft_bits=4, head_bits=8, draft_vocab=64))
+    assert d3.draft_rt.layers[0]["wo"].bits == 4 and d3.draft_head.bits == 8 and d3.draft_head.shape[1] == 64
+    assert model.resources.bounded()["quantized"] == 2
+
+
+@pytest.mark.parametrize("bits,limit", [(8, 0.55), (4, 0.30)])
+def test_extra_bytes(model, bits, limit):
+    """The copy's layer matrices against the model's own (bf16): int8 about half, int4 under
+    a third (the issue's bounds), scales included."""
+    q = model.resources.quantized(bits)
+    own = sum(model.runtime.weight(i, k).numel() * 2 for i in range(model.spec.num_layers) for k in ("wqkv", "wo", "w_gate_up", "w_down"))
+    extra = sum(L[k].nbytes for L in q.layers for k in ("wqkv", "wo", "w_gate_up", "w_down"))
+    assert extra <= limit * own, (extra, own)
+
+
+def test_draft_agrees_with_the_model(model):
+    """An int8 copy agrees with the full model on nearly every greedy token (here a tiny random
+    model; ~98-99% on the default model, benchmarks/quant_agreement.py)."""
+    ps = prompts(n=4, vocab=model.spec.vocab_size, lengths=(10, 14), seed=5)
+    outs = [model.generate(p, max_new_tokens=32, strategy="quantized", num_speculations=4) for p in ps]
+    drafted, accepted = sum(o.stats.drafted for o in outs), sum(o.stats.accepted for o in outs)
+    assert accepted / drafted > 0.8, (accepted, drafted)
+
+
+def test_torch_runtimes_say_quantized_drafting_needs_the_kernels(monkeypatch):
+    monkeypatch.setenv("SELFSPEC_NO_KERNELS", "1")
+    m = selfspec.load(build_hf("llama", seed=0), dtype="float32")
+    with pytest.raises(SelfSpecError, match="quantized drafting needs selfspec's CPU kernels"):
+        m.generate([1, 2, 3], max_new_tokens=4, strategy="quantized")
