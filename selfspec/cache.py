@@ -32,6 +32,15 @@ class KVCache:
         self.kt[layer, :, :, pos : pos + t] = k.transpose(1, 2)
         self.v[layer, :, pos : pos + t] = v
 
+    def save_rows(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of positions start..end-1 of every layer, for restore_rows."""
+        return self.kt[..., start:end].clone(), self.v[:, :, start:end].clone()
+
+    def restore_rows(self, start: int, saved: tuple[torch.Tensor, torch.Tensor]) -> None:
+        kt, v = saved
+        self.kt[..., start : start + kt.shape[-1]] = kt
+        self.v[:, :, start : start + v.shape[2]] = v
+
     def mask(self, pos: int, t: int, window: int | None) -> torch.Tensor:
         """Boolean [T, capacity]: query at pos+i may see key j iff j <= pos+i and, with a
         sliding window, j > pos+i-window (transformers' convention)."""

@@ -15,7 +15,7 @@ from selfspec.errors import SelfSpecError, unknown_choice
 
 STRATEGIES = ("autoregressive", "early-exit", "layer-skip", "exit-adapter", "quantized", "draft-model", "prompt-lookup", "auto")
 SELF_DRAFTING = ("early-exit", "layer-skip", "exit-adapter", "quantized")
-DRAFT_BITS = (8, 4)  # quantized drafting: int8 per output channel, int4 in groups of 32 rows
+DRAFT_BITS = (8, 4)  # quantized drafting: int8 per output channel, int4 in groups of 64 rows (quant.INT4_GROUP)
 MAX_SPECULATIONS = 16  # verify passes stay within the row counts where the CPU kernels are row-invariant
 
 

@@ -296,6 +296,25 @@ def _qgemm_ref(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     return y
 
 
+def quant_errors(w: torch.Tensor, group: int, s: torch.Tensor, z: torch.Tensor | None, lo: float, hi: float) -> torch.Tensor | None:
+    """Squared errors of candidate quantizations of w [K, N] (fp32): s, z [C, G, N] -> err
+    [C, G, N] (csrc/quant.c selfspec_quant_errors), or None when not available()."""
+    if not available():
+        return None
+    fn = _blocks["dll"].selfspec_quant_errors
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_float,
+                                                                                    ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+    w, s = w.float().contiguous(), s.float().contiguous()
+    z = None if z is None else z.float().contiguous()
+    err = torch.empty_like(s)
+    rc = fn(w.data_ptr(), w.shape[0], w.shape[1], group, s.data_ptr(), 0 if z is None else z.data_ptr(), s.shape[0],
+            lo, hi, err.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"kernels.quant_errors: returned {rc}")
+    return err
+
+
 def pack(w: torch.Tensor, pairs: bool | None = None) -> PackedWeight:
     """Re-lay w [K, N] (bf16 or fp32, CPU) as 64-column tiles for matmul. Plain tiles give results
     bit-identical to matmul with the plain w. pairs (default: has_pairs() for bf16 weights) uses

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from selfspec.kernels import QuantizedWeight
+from selfspec.kernels import QuantizedWeight, quant_errors
 
 TILE = 64  # columns per tile (csrc/quant.c)
 INT4_GROUP = 64  # rows per int4 group: 0.5625 bytes a weight (0.28x bf16); group 32 agrees no better on the default model
@@ -31,21 +31,34 @@ def _tiles(q: torch.Tensor) -> torch.Tensor:
     return padded.view(k, nb, TILE).permute(1, 0, 2).contiguous()
 
 
+def _errors(w: torch.Tensor, group: int, s: torch.Tensor, z: torch.Tensor | None, lo: float, hi: float) -> torch.Tensor:
+    """err [C, G, N]: the squared error of quantizing w [K, N] (fp32) with each candidate
+    (s, z) [C, G, N] in groups of `group` rows: one fused pass in C where the kernels run,
+    else torch (7 passes over w per candidate)."""
+    err = quant_errors(w, group, s, z, lo, hi)
+    if err is not None:
+        return err
+    k, n = w.shape
+    ng = s.shape[1]
+    wg = torch.cat([w, w.new_full((ng * group - k, n), float("nan"))]).view(ng, group, n)  # NaN rows: padding, dropped below
+    out = []
+    for c in range(s.shape[0]):
+        sc, zc = s[c][:, None], (0.0 if z is None else z[c][:, None])
+        u = torch.round(wg / sc + zc).clamp(lo, hi)
+        out.append(((u - zc) * sc - wg).square().nan_to_num(0.0).sum(1))
+    return torch.stack(out)
+
+
 def quantize_int8(w: torch.Tensor, clips: tuple[float, ...] = INT8_CLIPS) -> QuantizedWeight:
     """w [K, N] (any float dtype) -> int8 with one scale per column, clipping by MSE."""
     w = w.detach().float()
+    k, n = w.shape
     amax = w.abs().amax(0).clamp_min(1e-12)  # [N]
-    best_err = best_s = None
-    for c in clips:
-        s = amax * c / 127
-        err = ((torch.round(w / s).clamp(-127, 127) * s - w) ** 2).sum(0)
-        if best_err is None:
-            best_err, best_s = err, s
-        else:
-            better = err < best_err
-            best_err, best_s = torch.where(better, err, best_err), torch.where(better, s, best_s)
-    q = torch.round(w / best_s).clamp(-127, 127).to(torch.int8)
-    return QuantizedWeight(_tiles(q), best_s, None, w.shape[0], w.shape[1], bits=8)
+    cand = torch.stack([amax * c / 127 for c in clips])[:, None]  # [C, 1, N]
+    best = _errors(w, k, cand, None, -127, 127)[:, 0].argmin(0)  # [N]; ties: the first (widest) candidate
+    s = cand[:, 0].gather(0, best[None])[0]
+    q = torch.round(w / s).clamp(-127, 127).to(torch.int8)
+    return QuantizedWeight(_tiles(q), s, None, k, n, bits=8)
 
 
 def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP, clips: tuple[float, ...] = INT4_CLIPS) -> QuantizedWeight:
@@ -58,19 +71,11 @@ def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP, clips: tuple[float, 
     wg = wg.view(ng, group, n)
     lo, hi = wg.amin(1), wg.amax(1)  # [G, N]
     mid, half = (hi + lo) / 2, ((hi - lo) / 2).clamp_min(1e-12)
-    best_err = best_s = best_z = None
-    for c in clips:
-        a, b = mid - half * c, mid + half * c
-        s = ((b - a) / 15).clamp_min(2**-14).half().float()  # stored as fp16 (normal range): quantize with the stored values
-        z = (-a / s).half().float()
-        u = torch.round(wg / s[:, None] + z[:, None]).clamp(0, 15)
-        err = (((u - z[:, None]) * s[:, None] - wg) ** 2).sum(1)
-        if best_err is None:
-            best_err, best_s, best_z = err, s, z
-        else:
-            better = err < best_err
-            best_err = torch.where(better, err, best_err)
-            best_s, best_z = torch.where(better, s, best_s), torch.where(better, z, best_z)
+    # s and z are stored as fp16 (normal range): candidates are quantized with the stored values
+    s = torch.stack([((2 * half * c) / 15).clamp_min(2**-14).half().float() for c in clips])  # [C, G, N]
+    z = torch.stack([(-(mid - half * c) / sc).half().float() for c, sc in zip(clips, s)])
+    best = _errors(w, group, s, z, 0, 15).argmin(0)[None]  # [1, G, N]
+    best_s, best_z = s.gather(0, best)[0], z.gather(0, best)[0]
     u = torch.round(wg / best_s[:, None] + best_z[:, None]).clamp(0, 15).view(ng * group, n)[:k].to(torch.uint8)
     t = _tiles(u)  # [NB, K, 64]
     packed = (t[..., :32] | (t[..., 32:] << 4)).contiguous()  # column c (low nibble) and c + 32 (high) share a byte

@@ -27,7 +27,7 @@ from selfspec.loading import cache_root, load_source, resolve_tokenizer
 from selfspec.predictor.costs import CostModel, head_key, load_costs, save_costs
 from selfspec.runtime import Runtime, quantize_columns
 
-MAX_DRAFT_HEADS = 8  # restricted / quantized draft heads
+MAX_DRAFT_HEADS = 12  # restricted / quantized draft heads (search measures 11 at once)
 MAX_QUANTIZED = 2  # quantized copies of the model (int8: half the model's bytes each)
 MAX_ADAPTERS = 4
 MAX_DRAFT_MODELS = 2

@@ -56,6 +56,27 @@ def test_int4_matches_its_definition(k, n, group):
 
 
 @needs_kernels
+@pytest.mark.parametrize("group", [64, 1000])  # int4 groups (a short last one) / a whole int8 column
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_the_clipping_search_errors_match_torch(k, n, group, monkeypatch):
+    """csrc/quant.c's one-pass error search against the torch definition (7 passes per
+    candidate): the same sums up to summation order, hence the same choices off near-ties."""
+    w = _w(k, n, seed=3)
+    group = min(group, k)
+    ng = (k + group - 1) // group
+    g = torch.Generator().manual_seed(1)
+    s = (torch.rand(5, ng, n, generator=g) + 0.5) * w.abs().max() / 8
+    z = torch.round(torch.rand(5, ng, n, generator=g) * 15)
+    for zz, lo, hi in ((None, -127, 127), (z, 0, 15)):
+        c = kernels.quant_errors(w, group, s, zz, lo, hi)
+        monkeypatch.setattr(quant, "quant_errors", lambda *a: None)
+        t = quant._errors(w, group, s, zz, lo, hi)
+        monkeypatch.undo()
+        assert c.shape == t.shape == (5, ng, n)
+        assert torch.allclose(c, t, rtol=1e-4, atol=1e-9), (c - t).abs().max()
+
+
+@needs_kernels
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("k,n", SHAPES)
 def test_kernel_bits_match_the_scalar_chain(bits, k, n):

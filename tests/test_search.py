@@ -39,7 +39,9 @@ N_NEW = 32
 
 def _fake_costs(L=6, layer=1.0, head=2.0, draft_head=0.5) -> CostModel:
     rows = (1, 2, 3, 5, 9, 17)
-    return CostModel(L, {r: layer / 2 for r in rows}, {r: layer / 2 for r in rows}, {r: head for r in rows}, {100: draft_head})
+    # the int8 copy's sub-layers at half the cost (calibration scores it where the kernels run)
+    return CostModel(L, {r: layer / 2 for r in rows}, {r: layer / 2 for r in rows}, {r: head for r in rows}, {100: draft_head},
+                     quant_layers={8: (layer / 4, layer / 4)})
 
 
 # ---- the predictor -------------------------------------------------------------------------------
@@ -267,6 +269,26 @@ def test_auto_drafts_on_an_ideal_model():
     assert sum(1 for k in d.decisions if k == 0) <= 2
 
 
+@pytest.mark.skipif(not kernels.available(), reason="quantized drafting needs the kernels")
+def test_auto_calibration_considers_the_quantized_copy():
+    """On a random model early exits disagree with the last layer while an int8 copy of its
+    weights agrees: with costs where the copy is cheap, calibration picks it. Scoring it writes
+    the copy's rows into the prefill's cache and puts the verifier's back: the output equal to
+    plain decoding shows they were."""
+    m = selfspec.load(build_hf("llama", seed=5, num_layers=6), dtype="float32")
+    costs = _fake_costs(L=6, head=1.0)
+    costs.quant_layers[8] = (0.1, 0.1)
+    m.resources.cost_model = lambda heads=(), bits=(): costs
+    d = m.drafter(DraftConfig("auto"))
+    d.timing = False
+    p = prompts(n=1, lengths=(24,), seed=3)[0]
+    out = generate(m.runtime, d, p, ar_gen(48), SamplingConfig())
+    assert out.token_ids == ar_generate(m, p, max_new_tokens=48).token_ids
+    assert d.base.cfg.strategy == "quantized" and d.base.cfg.draft_bits == 8, d.base.cfg
+    # a random model's flat distributions make near-ties an int8 copy flips (~98% agreement on Gemma)
+    assert out.stats.draft["source"] == "calibrated" and out.stats.acceptance_rate > 0.5
+
+
 def test_auto_uses_an_installed_profile(tmp_path, monkeypatch):
     from selfspec.profiles import install_profile
 
@@ -450,6 +472,24 @@ def test_profile_resolves_a_relative_adapter_path(zoo, tmp_path):
 # ---- selfspec search -----------------------------------------------------------------------------
 
 
+@pytest.mark.skipif(not kernels.available(), reason="quantized drafting needs the kernels")
+@pytest.mark.parametrize("cfg", [DraftConfig("quantized", num_speculations=4),
+                                 DraftConfig("quantized", draft_bits=4, exit_layer=5, skip_mlp=(2,), num_speculations=3)],
+                         ids=["int8", "int4-E5-skip"])
+def test_quantized_prediction_tracks_the_engine(tiny, calibration, cfg):
+    """The replay scores the copy teacher-forced over its own keys/values, where the engine's
+    drafts read the verifier's for committed positions: not step-exact as the exits above, but
+    the acceptance it predicts must track the engine's."""
+    from selfspec.search import predict
+
+    cal, ps = calibration
+    pred = predict(cfg, cal, tiny.resources.cost_model(heads=(cfg.draft_head(),), bits=(cfg.draft_bits,)))
+    outs = [tiny.generate(p, max_new_tokens=N_NEW, draft=cfg) for p in ps]
+    accepted, drafted = sum(o.stats.accepted for o in outs), sum(o.stats.drafted for o in outs)
+    assert drafted > 0 and pred.drafted > 0
+    assert abs(pred.acceptance_rate - accepted / drafted) < 0.15, (pred.acceptance_rate, accepted, drafted)
+
+
 @pytest.fixture(scope="module")
 def search_model_dir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("search") / "tiny"
@@ -503,6 +543,19 @@ def test_search_two_workers_share_one_study(search_model_dir, tmp_path):
 
     study = optuna.load_study(study_name=summary["metrics"]["study_name"], storage=storage)
     assert {k.split("_")[1] for k in study.user_attrs if k.startswith("ready_")} == {"0", "1"}, study.user_attrs
+
+
+@pytest.mark.skipif(not kernels.available(), reason="quantized drafting needs the kernels")
+def test_search_the_quantized_family(search_model_dir, tmp_path):
+    out = tmp_path / "q"
+    r = _search(search_model_dir, out, "--n-trials", "5", "--dataset", "code", "--strategies", "quantized")
+    assert r.returncode == 0, r.stderr
+    prof = json.loads((out / "profile.json").read_text())
+    d = DraftConfig.from_dict(prof["draft"])
+    assert d.strategy == "quantized" and d.draft_bits in (4, 8) and d.head_bits in (4, 8)
+    assert prof["metrics"]["identical_to_autoregressive"] is True
+    trials = json.loads((out / "search.json").read_text())["trials"]
+    assert len(trials) == 5 and all(t["draft"]["strategy"] == "quantized" and t["c"] > 0 for t in trials)
 
 
 @pytest.mark.parametrize("args, fragments", [

@@ -243,3 +243,47 @@ int selfspec_qgemm_ref(long M, const float *x, const ss_qweight *w, float *y) {
         }
     return 0;
 }
+
+/* The quantizers' clipping search (selfspec/quant.py): the squared error of candidate
+ * quantizations of w [K, N] (fp32, row-major), per (candidate, group, column):
+ *
+ *   err[c, g, n] = sum over k in group g of ((clamp(round(w[k, n] / s + z), lo, hi) - z) * s - w[k, n])^2
+ *   with s = s[c, g, n], z = z[c, g, n] (z NULL: 0), groups of `group` rows (the last one short)
+ *
+ * round() is round-half-to-even, as torch.round; the sum runs over k in increasing order.
+ * Only the choice of scale depends on these sums, never a token: the draft's output is
+ * verified. One pass over w computes every candidate (torch needed 7 passes per candidate).
+ * Threads split the columns. */
+int selfspec_quant_errors(const float *w, long K, long N, long group, const float *s, const float *z, int ncand,
+                          float lo, float hi, float *err, int nthreads) {
+    if (K <= 0 || N <= 0 || group <= 0 || ncand <= 0) return -1;
+    long G = (K + group - 1) / group;
+    long nblocks = (N + 15) / 16;
+    const __m512 vlo = _mm512_set1_ps(lo), vhi = _mm512_set1_ps(hi);
+#ifdef _OPENMP
+    #pragma omp parallel for num_threads(nthreads > 0 ? nthreads : 1) schedule(static)
+#endif
+    for (long b = 0; b < nblocks; b++) {
+        long n0 = b * 16;
+        __mmask16 m = qlanes(N - n0);
+        for (long g = 0; g < G; g++) {
+            long k0 = g * group, k1 = k0 + group < K ? k0 + group : K;
+            for (int c = 0; c < ncand; c++) {
+                long off = ((long)c * G + g) * N + n0;
+                __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(1.0f), m, s + off);
+                __m512 zv = z ? _mm512_maskz_loadu_ps(m, z + off) : _mm512_setzero_ps();
+                __m512 acc = _mm512_setzero_ps();
+                for (long k = k0; k < k1; k++) {
+                    __m512 x = _mm512_maskz_loadu_ps(m, w + k * N + n0);
+                    __m512 u = _mm512_add_ps(_mm512_div_ps(x, sv), zv);
+                    u = _mm512_roundscale_ps(u, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);  /* half to even */
+                    u = _mm512_min_ps(_mm512_max_ps(u, vlo), vhi);
+                    __m512 d = _mm512_sub_ps(_mm512_mul_ps(_mm512_sub_ps(u, zv), sv), x);
+                    acc = _mm512_fmadd_ps(d, d, acc);
+                }
+                _mm512_mask_storeu_ps(err + off, m, acc);
+            }
+        }
+    }
+    return 0;
+}

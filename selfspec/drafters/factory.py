@@ -12,7 +12,7 @@ from selfspec.drafters.layer_skip import LayerSkipDrafter
 from selfspec.drafters.lookup import PromptLookupDrafter
 from selfspec.drafters.lookup_first import LookupFirstDrafter
 from selfspec.drafters.quantized import QuantizedDrafter
-from selfspec.predictor.calibrate import AUTO_DRAFT_VOCAB, calibrate, calibration_exits
+from selfspec.predictor.calibrate import AUTO_DRAFT_BITS, AUTO_DRAFT_VOCAB, calibrate, calibration_exits
 from selfspec.profiles import installed_profile
 from selfspec.resources import DraftResources
 
@@ -89,11 +89,15 @@ def build_auto(cfg: DraftConfig, res: DraftResources, eos_ids: tuple[int, ...] =
     n = cfg.draft_vocab
     if n is None and rt.spec.vocab_size > 2 * AUTO_DRAFT_VOCAB and res.has_token_order():
         n = AUTO_DRAFT_VOCAB  # FR-Spec: on a big vocabulary the full draft head would dominate
-    costs = res.cost_model(heads=((n, None),) if n else ())
+    # The quantized copy needs the kernels; it is made at the first calibration (~1 s) and
+    # kept by the resources, as is its int8 head.
+    bits = AUTO_DRAFT_BITS if rt.uses_kernels else None
+    costs = res.cost_model(heads=((n, None),) * bool(n) + ((n, bits),) * bool(bits), bits=(bits,) * bool(bits))
     vocab, head = res.draft_head(n) if n else (None, None)
 
     def choose_base(ids: list[int], captured: dict, cache) -> tuple[Drafter, float | None]:
-        chosen, pred = calibrate(rt, ids, costs, cfg, captured, head, vocab, n)
+        quantized = (bits, res.quantized(bits), res.draft_head(n, bits)[::-1], cache) if bits else None
+        chosen, pred = calibrate(rt, ids, costs, cfg, captured, head, vocab, n, quantized)
         alpha = None if pred is None or not pred.drafted else pred.acceptance_rate
         return build(chosen, res, eos_ids), alpha
 

@@ -28,15 +28,16 @@ def _argmax_conf(runtime, h: torch.Tensor, head=None, vocab: torch.Tensor | None
 
 
 def teacher_forced(runtime, ids: list[int], score_from: int = 0, exits=(), skip_sets=(), draft_head=None,
-                   vocab: torch.Tensor | None = None, adapters: dict | None = None) -> dict:
+                   vocab: torch.Tensor | None = None, adapters: dict | None = None, drafts: dict | None = None) -> dict:
     """One full forward over ids, scoring positions score_from.. against the full model's
     greedy token. Returns {"target": [T'], ("exit", E): Agreement, ("skip", a, m): ...,
-    ("adapter", E): ...}.
+    ("adapter", E): ..., key: ... for each of `drafts`}.
 
     Exits reuse the full pass's hidden states (layers < E are the same computation). Skip
-    sets run their own teacher-forced pass, which sees draft-computed KV for earlier
-    positions where the real run sees the full model's: an approximation, confirmed later
-    by measurement."""
+    sets and `drafts` ({key: (draft runtime, exit layer, skip_attn, skip_mlp)}, e.g. the
+    quantized copy) run their own teacher-forced pass, which sees draft-computed KV for
+    earlier positions where the real run sees the full model's: a slight underestimate
+    (benchmarks/quant_agreement.py measures both), confirmed later by measurement."""
     out: dict = {}
     L = runtime.num_layers
     with torch.inference_mode():
@@ -58,6 +59,11 @@ def teacher_forced(runtime, ids: list[int], score_from: int = 0, exits=(), skip_
             hs = runtime.run_layers(runtime.embed(x), 0, L, 0, cache, frozenset(skip_a), frozenset(skip_m))
             tok, conf = _argmax_conf(runtime, hs[score_from:], draft_head, vocab)
             out[("skip", tuple(skip_a), tuple(skip_m))] = Agreement(tok == target, conf)
+        for key, (draft_rt, E, skip_a, skip_m) in (drafts or {}).items():
+            cache = draft_rt.new_cache(len(ids))
+            hs = draft_rt.run_layers(draft_rt.embed(x), 0, E, 0, cache, frozenset(skip_a), frozenset(skip_m))
+            tok, conf = _argmax_conf(runtime, hs[score_from:], draft_head, vocab)
+            out[key] = Agreement(tok == target, conf)
     return out
 
 
@@ -66,6 +72,7 @@ CALIBRATION_EXITS = 8  # exit layers scored (evenly spaced)
 CALIBRATION_MAX_K = 8
 CALIBRATION_PROXY_TOP = 64  # full-vocabulary drafts are scored over the full model's top-64 per position
 AUTO_DRAFT_VOCAB = 16384  # auto's draft vocabulary on models with more than 2x this many tokens
+AUTO_DRAFT_BITS = 8  # the quantized copy auto's calibration scores (int8: ~98% agreement, half the bytes)
 
 
 def calibration_exits(num_layers: int) -> tuple[int, ...]:
@@ -85,10 +92,27 @@ def prefill_capturing(runtime, ids: torch.Tensor, cache, exits) -> tuple[torch.T
     return runtime.logits(h[-1:])[0], captured
 
 
+def quantized_agreement(runtime, quant, ids: list[int], cache, target, head, vocab) -> Agreement:
+    """How often the quantized copy `quant` (Runtime.quantized) agrees with the model on the
+    last len(target) prompt positions, after the prefill: it attends to the model's own
+    keys/values for earlier positions (as when it drafts) and its rows are put back after.
+    target: the model's greedy tokens there (numpy)."""
+    n, P = len(ids), len(target)
+    saved = cache.save_rows(n - P, n)
+    try:
+        h = quant.run_layers(quant.embed(torch.tensor(ids[n - P:], device=runtime.device)), 0, quant.num_layers, n - P, cache)
+    finally:
+        cache.restore_rows(n - P, saved)  # the verifier's exact rows: decoding goes on from them
+    tok, conf = _argmax_conf(runtime, h, head, vocab)
+    return Agreement(tok == target, conf)
+
+
 def calibrate(runtime, ids: list[int], costs: CostModel, auto_cfg: DraftConfig, captured: dict,
-              head=None, vocab: torch.Tensor | None = None, draft_vocab: int | None = None) -> tuple[DraftConfig, Prediction | None]:
-    """auto without a profile: score early exit at the captured exits and prompt lookup on
-    the prompt itself; pick the configuration with the best predicted speedup, prompt
+              head=None, vocab: torch.Tensor | None = None, draft_vocab: int | None = None,
+              quantized: tuple | None = None) -> tuple[DraftConfig, Prediction | None]:
+    """auto without a profile: score early exit at the captured exits, the quantized copy
+    (`quantized`: (bits, its runtime, its draft head, the prefill's cache)) and prompt lookup
+    on the prompt itself; pick the configuration with the best predicted speedup, prompt
     lookup (free drafts) when self-drafting is predicted to lose. The prompt is text the
     model did not write, so this is a proxy for acceptance; the online estimate corrects it."""
     lookup = DraftConfig("prompt-lookup", num_speculations=CALIBRATION_MAX_K, max_ngram=auto_cfg.max_ngram)
@@ -105,21 +129,27 @@ def calibrate(runtime, ids: list[int], costs: CostModel, auto_cfg: DraftConfig, 
         vocab = final.topk(min(CALIBRATION_PROXY_TOP, final.shape[-1]), dim=-1).indices.flatten().unique()
         head = runtime.head_columns(vocab).contiguous()
         head = runtime.prepare_weight(head)
-    target = target.cpu().numpy()
-    candidates: list[tuple[DraftConfig, Prediction]] = []
+    target_np = target.cpu().numpy()
+    drafts: list[tuple[dict, Agreement]] = []  # (DraftConfig options, agreement)
     for E in sorted(k for k in captured if k != "final"):
         tok, conf = _argmax_conf(runtime, captured[E], head, vocab)
-        cal = Agreement(tok == target, conf)
+        drafts.append((dict(strategy="early-exit", exit_layer=E), Agreement(tok == target_np, conf)))
+    if quantized is not None:
+        bits, quant, (q_head, q_vocab), cache = quantized
+        drafts.append((dict(strategy="quantized", draft_bits=bits),
+                       quantized_agreement(runtime, quant, ids, cache, target_np, q_head, q_vocab)))
+    candidates: list[tuple[DraftConfig, Prediction]] = []
+    for options, cal in drafts:
         for k in range(1, CALIBRATION_MAX_K + 1):
             for lookup_first in (False, True):
-                cfg = DraftConfig("early-exit", exit_layer=E, num_speculations=k, draft_vocab=draft_vocab,
-                                  lookup_first=lookup_first, **({"max_ngram": auto_cfg.max_ngram} if lookup_first else {}))
+                cfg = DraftConfig(**options, num_speculations=k, draft_vocab=draft_vocab, lookup_first=lookup_first,
+                                  **({"max_ngram": auto_cfg.max_ngram} if lookup_first else {}))
                 candidates.append((cfg, simulate(cfg, cal, costs, tokens=ids, start=len(ids) - len(cal.match))))
     top_cfg, top = max(candidates, key=lambda c: c[1].speedup)
-    # Near ties go to the longer draft at the same exit: fixed per-step costs the model
+    # Near ties go to the longer draft of the same kind: fixed per-step costs the model
     # leaves out (the engine's bookkeeping) favour fewer, longer steps (AutoDrafter._best_k).
-    top_cfg, _ = max((c for c in candidates if c[0].exit_layer == top_cfg.exit_layer and c[0].lookup_first == top_cfg.lookup_first
-                      and c[1].speedup >= top.speedup * 0.97),
+    top_cfg, _ = max((c for c in candidates if (c[0].strategy, c[0].exit_layer, c[0].lookup_first)
+                      == (top_cfg.strategy, top_cfg.exit_layer, top_cfg.lookup_first) and c[1].speedup >= top.speedup * 0.97),
                      key=lambda c: c[0].num_speculations)
     if top.speedup > best.speedup * 1.02:  # near ties go to the free lookup
         best_cfg, best = top_cfg, top

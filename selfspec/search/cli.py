@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -24,7 +25,7 @@ def register(sub) -> None:
                                    "winner by measurement and writes a draft profile plus an optimisation-history plot.")
     add_model_args(p)
     add_config_args(p, SearchConfig, skip=_AUTO_FLAGS, helps={
-        "strategies": "comma list of early-exit, layer-skip, prompt-lookup, exit-adapter",
+        "strategies": "comma list of early-exit, layer-skip, prompt-lookup, quantized, exit-adapter",
         "n_trials": "total finished trials the study should hold (all workers, earlier runs included)",
         "objective": "predicted (replayed greedy decoding + measured costs) or measured (timed generations)",
         "dataset": "comma list of prompt sets for calibration: code, text, summarize, a .jsonl, hf:...",
@@ -97,6 +98,11 @@ def cmd_search(args) -> int:
     S.open_study(cfg, storage, cfg.study_name or "selfspec-probe")  # an unreachable storage fails before the model loads
     prompts = S.calibration_prompts(cfg)
     model = load_model(args)
+    if "quantized" in cfg.strategies and not model.runtime.uses_kernels:
+        if cfg.strategies == ("quantized",):
+            raise SelfSpecError("quantized drafting needs selfspec's CPU kernels (a CPU with AVX-512 and a C compiler)")
+        cfg = dataclasses.replace(cfg, strategies=tuple(s for s in cfg.strategies if s != "quantized"))
+        print("selfspec: quantized drafting needs selfspec's CPU kernels; searching the other strategies", file=sys.stderr)
     study_name = cfg.study_name or f"selfspec-{model.fingerprint}"
     console = Console(stderr=True)
     log = (lambda msg: console.print(f"[dim][worker {args.worker_index}][/dim] {msg}", highlight=False))
@@ -110,8 +116,7 @@ def cmd_search(args) -> int:
 
     log(f"calibrating: greedy continuations of {len(prompts)} prompts, primitive costs")
     cal = S.Calibration(model, prompts, cfg.max_new_tokens)
-    vocabs = tuple(v for v in cfg.draft_vocabs if v < model.spec.vocab_size)
-    costs = model.cost_model(vocabs)
+    costs = model.resources.cost_model(*S.cost_parts(cfg, model.spec.vocab_size))
     interrupted = False
     try:
         study = S.run_worker(model, cfg, storage, study_name, cal, costs, log=log, worker=args.worker_index,
