@@ -39,7 +39,7 @@ from selfspec.server.errors import APIError, Cancelled
 from selfspec.server.parsing import Params
 from selfspec.server.settings import ServerSettings
 
-_current = threading.local()  # .job: the Job this engine thread is running (for the prefill chunks)
+_current = threading.local()  # .job, .turns, .chunk: what this engine thread runs (for the prefill chunks)
 
 
 class Job:
@@ -172,7 +172,7 @@ class Worker:
         self.live: set[Job] = set()  # submitted, not yet finished
         self.started = 0  # jobs taken up and not finished
         self._count = threading.Lock()  # for `started`, written by both engine threads
-        chunked_prefill(model.runtime, settings.prefill_chunk, self.turns)
+        chunked_prefill(model.runtime)
         metrics.waiting.set_function(lambda: self.waiting)
         metrics.running.set_function(lambda: self.started)
 
@@ -217,7 +217,7 @@ class Worker:
         job.t_start = time.perf_counter()
         job.post("start")
         self.metrics.queue_time.observe(job.t_start - job.t_arrival)
-        _current.job = job
+        _current.job, _current.turns, _current.chunk = job, self.turns, self.settings.prefill_chunk
         try:
             result = self.generate(job.params, lambda ev: self._on_event(job, ev))
         except Cancelled:
@@ -258,28 +258,27 @@ class Worker:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def chunked_prefill(runtime, chunk: int, turns: Turns) -> None:
+def chunked_prefill(runtime) -> None:
     """Make `runtime.run_layers` (the one layer loop every prefill goes through) process more
-    than `chunk` rows as consecutive chunks when called from a worker thread, handing the
-    turn over between chunks. Causal attention makes chunk-major order equal to one pass
+    than `prefill_chunk` rows as consecutive chunks when called from a worker's engine thread
+    (what it runs, its turns and chunk size are that thread's: `_current`), handing the turn
+    over between chunks. Causal attention makes chunk-major order equal to one pass
     (each chunk's keys/values are in the cache before the next chunk attends to them), and
     the kernels compute every row on its own, so the cache, the captures and the logits are
     the same. Installed once per runtime; calls from other threads are untouched."""
-    if getattr(runtime, "_selfspec_chunked", None) is not None:
-        runtime._selfspec_chunked.update(chunk=chunk, turns=turns)
+    if getattr(runtime, "_selfspec_chunked", False):
         return
-    state = runtime._selfspec_chunked = {"chunk": chunk, "turns": turns}
     layers = runtime.run_layers  # the bound method
 
     def run_layers(h, start, end, pos, cache, skip_attn=frozenset(), skip_mlp=frozenset(), capture=None):
         job = getattr(_current, "job", None)
-        step = state["chunk"]
+        step = getattr(_current, "chunk", 0)
         if job is None or h.shape[0] <= step:
             return layers(h, start, end, pos, cache, skip_attn, skip_mlp, capture)
         outs, parts = [], {i: [] for i in capture or ()}
         for s in range(0, h.shape[0], step):  # h [T, H] -> chunks [<=step, H] at positions pos+s..
             if s:
-                state["turns"].pause(job)
+                _current.turns.pause(job)
                 if job.cancelled.is_set():
                     raise Cancelled()
             piece = None if capture is None else dict.fromkeys(capture)
@@ -291,6 +290,7 @@ def chunked_prefill(runtime, chunk: int, turns: Turns) -> None:
         return torch.cat(outs)
 
     runtime.run_layers = run_layers  # instance attribute: shadows the method for this runtime only
+    runtime._selfspec_chunked = True
 
 
 def warmup(model, draft) -> None:
