@@ -6,7 +6,7 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as
 server-sent events), GET /v1/models, GET /health, GET /metrics (Prometheus). See app.py for
-the request fields honoured, the `selfspec` extension field and the error shapes, and
+the modules (parsing.py: the request fields honoured and the `selfspec` extension field), and
 ray_deploy.py for running several replicas behind one endpoint with Ray Serve.
 
 fastapi, uvicorn and prometheus-client are imported lazily by `create_app`, so importing
@@ -20,6 +20,7 @@ __all__ = ["ServerSettings", "create_app"]
 
 def __getattr__(name):
     if name in __all__:
+        # lazily: create_app needs fastapi/prometheus-client (optional), the CLI does not
         from selfspec.server import app
 
         return getattr(app, name)

@@ -11,9 +11,14 @@ import logging
 import os
 import sys
 
+import torch
+
 from selfspec.cli import add_chat_template_arg, add_draft_args, add_model_args, check_before_loading, choice, draft_config_from_args, load_model
 from selfspec.config import MAX_SPECULATIONS, STRATEGIES
 from selfspec.errors import SelfSpecError
+from selfspec.server.ray_deploy import serve_with_ray
+from selfspec.server.settings import PROMPT_TOKENS_PER_CORE, ServerSettings
+from selfspec.server.worker import warmup
 
 
 def register(subparsers) -> None:
@@ -37,6 +42,10 @@ def register(subparsers) -> None:
     p.add_argument("--queue-timeout", type=float, default=30.0, help="seconds a request may wait for the engine before 503 (default: %(default)s)")
     p.add_argument("--max-new-tokens-limit", type=int, default=1024, help="the largest max_tokens a request may ask for (default: %(default)s)")
     p.add_argument("--default-max-tokens", type=int, default=128, help="max_tokens when a request gives none (default: %(default)s)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help=f"the longest prompt a request may send, in tokens; a text prompt longer than this times the "
+                        f"tokenizer's longest token (in characters) is refused without tokenizing it (default: "
+                        f"{PROMPT_TOKENS_PER_CORE} per CPU core, at most the model's context - 1)")
     p.add_argument("--allowed-strategies", default=None,
                    help="comma-separated strategies a request may pick in its 'selfspec' field "
                         f"(default: all but draft-model; choose from {', '.join(STRATEGIES)})")
@@ -58,9 +67,7 @@ def register(subparsers) -> None:
     p.set_defaults(func=cmd_serve)
 
 
-def settings_from_args(args):
-    from selfspec.server.app import ServerSettings
-
+def settings_from_args(args) -> ServerSettings:
     allowed = None
     if args.allowed_strategies:
         allowed = tuple(s.strip() for s in args.allowed_strategies.split(",") if s.strip())
@@ -77,6 +84,7 @@ def settings_from_args(args):
         allowed_strategies=allowed,
         max_num_speculations=args.max_num_speculations,
         allow_request_draft=not args.no_request_draft,
+        max_prompt_tokens=args.max_prompt_tokens,
     )
 
 
@@ -96,14 +104,6 @@ def _check_deps(ray: bool) -> None:
         raise SelfSpecError(f"selfspec serve needs {', '.join(missing)}: pip install {' '.join(missing)}")
 
 
-def warmup(model, draft) -> None:
-    """One short generation: builds the drafter and touches every kernel before traffic."""
-    tok = model.tokenizer
-    ids = tok("Hello").input_ids if tok is not None else [0]
-    ids = [t for t in ids if 0 <= t < model.spec.vocab_size] or [0]
-    model.generate(ids, max_new_tokens=2, draft=draft)
-
-
 def cmd_serve(args) -> int:
     if not 0 <= args.port <= 65535:
         raise SelfSpecError(f"--port must be in 0..65535, got {args.port}")
@@ -116,17 +116,13 @@ def cmd_serve(args) -> int:
     _check_deps(args.ray)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if args.ray:
-        from selfspec.server.ray_deploy import serve_with_ray
-
         return serve_with_ray(args, settings)
-
+    # the web stack is an optional dependency (checked above): imported only to serve
     import uvicorn
 
-    from selfspec.server.app import create_app
+    from selfspec.server.routes import create_app
 
     if args.threads:
-        import torch
-
         torch.set_num_threads(args.threads)
     model = load_model(args)
     draft = draft_config_from_args(model, args)

@@ -46,14 +46,25 @@ import tempfile
 import threading
 from dataclasses import fields
 
+import torch
+
+import selfspec
+from selfspec.chat_templates import resolve
+from selfspec.cli import config_kwargs
 from selfspec.config import DraftConfig, coerce
 from selfspec.errors import SelfSpecError
+from selfspec.server.settings import ServerSettings
+from selfspec.server.worker import warmup as _warmup
 
 _DRAFT_FIELDS = {f.name for f in fields(DraftConfig)}
 
 
 def _replica_class():
+    # Ray is an optional dependency: imported only when deploying on it
     from ray import serve
+
+    # the web stack (fastapi) is optional too, and the replica needs it
+    from selfspec.server.routes import create_app
 
     @serve.ingress()
     class SelfSpecReplica:
@@ -61,11 +72,6 @@ def _replica_class():
 
         def __init__(self, model: str, dtype=None, device=None, profile=None, draft_options=None, settings=None, threads=None,
                      warmup: bool = True, chat_template: str | None = None):
-            import torch
-
-            import selfspec
-            from selfspec.server.app import ServerSettings
-
             if threads:
                 torch.set_num_threads(int(threads))
             self.model = selfspec.load(model, dtype=dtype, device=device, chat_template=chat_template)
@@ -76,13 +82,9 @@ def _replica_class():
             s["replica_id"] = f"{socket.gethostname()}:{os.getpid()}"
             self.settings = ServerSettings(**s)
             if warmup:
-                from selfspec.server.cli import warmup as _warmup
-
                 _warmup(self.model, self.draft)
 
         def __serve_build_asgi_app__(self):
-            from selfspec.server.app import create_app
-
             return create_app(self.model, self.draft, self.settings)
 
     return SelfSpecReplica
@@ -105,7 +107,7 @@ def build_app(args: dict):
     model (required), dtype, device, profile, chat_template, strategy and any DraftConfig field
     (or a `draft` dict), replicas (1), num_cpus (per replica), threads (torch threads per replica),
     settings (a dict of ServerSettings fields), warmup (True)."""
-    from ray import serve
+    from ray import serve  # optional dependency (see _replica_class)
 
     args = {k: _coerce(k, v) for k, v in dict(args).items()}
     if not args.get("model"):
@@ -122,8 +124,6 @@ def build_app(args: dict):
         profile = os.path.abspath(profile)
     chat_template = args.get("chat_template")
     if chat_template is not None:
-        from selfspec.chat_templates import resolve
-
         resolve(chat_template)  # a bad name or file fails here, not in every replica
         if os.path.exists(chat_template):
             chat_template = os.path.abspath(chat_template)
@@ -151,10 +151,8 @@ def build_app(args: dict):
 
 def serve_with_ray(args, settings) -> int:
     """`selfspec serve --ray`: start (or join) Ray, deploy, block until SIGINT/SIGTERM."""
-    import ray
+    import ray  # optional dependency (see _replica_class)
     from ray import serve
-
-    from selfspec.cli import config_kwargs
 
     draft_options = config_kwargs(args, DraftConfig)
     if not args.profile:

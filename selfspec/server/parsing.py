@@ -1,0 +1,423 @@
+"""Request parsing: a JSON body -> `Params`, as pure functions testable without HTTP.
+
+Two stages, so that nothing expensive runs on the event loop:
+
+    parse_request(body, chat, ctx) -> Request   # validates every field; cheap, bounded work:
+                                                # a text prompt longer than the character
+                                                # bound is refused here, untokenized
+    encode(request, model, limits) -> Params    # tokenizes exactly once (run it in a thread)
+
+Request fields honoured: model, max_tokens (chat: also max_completion_tokens), temperature
+(OpenAI's default 1.0 when absent), top_p, top_k (extension; 0 or -1 = off), seed, stop
+(string or list), n (1 only), stream, stream_options.include_usage, user (ignored), and the
+extension object `"selfspec": {"strategy": ..., "exit_layer": ..., ...}` which changes the
+draft configuration for this request only, within the operator's limits. An option the
+chosen strategy does not use is an error (DraftConfig's own rule), as on the CLI.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from selfspec.config import STRATEGIES, ConfigError, ConfigTypeError, DraftConfig, SamplingConfig, typed
+from selfspec.errors import SelfSpecError
+from selfspec.server.errors import APIError, bad
+from selfspec.server.settings import MAX_REQUEST_NGRAM, REQUEST_DRAFT_OPTIONS, PromptLimits, ServerSettings
+
+_COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
+                  "stream_options", "user", "selfspec", "metadata", "store", "service_tier"}
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
+_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens"}
+# Accepted only at their "off" value (or null): anything else is a clear 400.
+_OFF_VALUES = {
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "logit_bias": ({},),
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "best_of": (1,),
+    "echo": (False,),
+    "suffix": ("",),
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),
+    "functions": ([],),
+    "function_call": ("none", "auto"),
+    "parallel_tool_calls": (True, False),
+    "response_format": ({"type": "text"},),
+    "modalities": (["text"],),
+}
+_COMPLETION_OFF = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "best_of", "echo", "suffix")
+_CHAT_OFF = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "top_logprobs", "tools",
+             "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format", "modalities")
+_ROLES = ("system", "developer", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class ParseContext:
+    """What parsing needs to know about the server and its model."""
+
+    settings: ServerSettings
+    names: frozenset[str]  # accepted `model` values
+    draft: DraftConfig  # the served draft configuration
+    allowed: tuple[str, ...]  # strategies a request may choose
+    num_layers: int
+    vocab_size: int
+    limits: PromptLimits
+
+    @classmethod
+    def for_model(cls, model, draft: DraftConfig, settings: ServerSettings) -> ParseContext:
+        if settings.allowed_strategies is None:
+            allowed = [s for s in STRATEGIES if s != "draft-model"]
+        else:
+            allowed = list(settings.allowed_strategies)
+        if draft.strategy not in allowed:
+            allowed.append(draft.strategy)  # the served configuration itself is always allowed
+        return cls(settings, frozenset({settings.model_name, *settings.aliases}), draft, tuple(allowed),
+                   model.runtime.num_layers, model.spec.vocab_size,
+                   PromptLimits.for_model(settings, model.context_length, model.tokenizer))
+
+
+@dataclass(frozen=True)
+class Request:
+    """A validated request, its prompt not yet tokenized: exactly one of ids/text/messages."""
+
+    chat: bool
+    model: str
+    max_tokens: int
+    sampling: SamplingConfig
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    draft: DraftConfig
+    ids: list[int] | None = None  # a prompt given as token ids
+    text: str | None = None  # a text prompt (completions)
+    messages: list[dict] | None = None  # a conversation (chat), roles normalised
+
+
+@dataclass(frozen=True)
+class Params:
+    """A request ready for the engine."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingConfig
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    draft: DraftConfig
+    model: str
+
+
+def _is_off(name: str, v) -> bool:
+    if v is None:
+        return True
+    for o in _OFF_VALUES[name]:
+        if isinstance(o, bool) or isinstance(v, bool):
+            if v is o:
+                return True
+        elif v == o:
+            return True
+    return False
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+# ---- stage 1: validation (cheap, on the event loop) --------------------------------------
+
+
+def parse_request(body: dict, chat: bool, ctx: ParseContext) -> Request:
+    """Validate every field of a request body; the prompt is checked against the limits as far
+    as that is possible without tokenizing (token ids: exactly; text: the character bound)."""
+    _check_fields(body, chat)
+    model = _parse_model(body.get("model"), ctx)
+    n = body.get("n")
+    if n is not None and (not _is_int(n) or n != 1):
+        raise bad("Only n=1 is supported (one completion per request).", param="n", code="unsupported_parameter")
+    stream, include_usage = _parse_stream(body)
+    max_tokens = _parse_max_tokens(body, chat, ctx.settings)
+    sampling = parse_sampling(body)
+    stop = parse_stop(body.get("stop"), ctx.settings.max_stop)
+    draft = parse_draft(body.get("selfspec"), ctx)
+    common = dict(chat=chat, model=model, max_tokens=max_tokens, sampling=sampling, stop=stop, stream=stream,
+                  include_usage=include_usage, draft=draft)
+    if chat:
+        return Request(**common, messages=parse_messages(body.get("messages"), ctx.limits))
+    prompt = parse_prompt(body.get("prompt"), ctx)
+    return Request(**common, **({"text": prompt} if isinstance(prompt, str) else {"ids": prompt}))
+
+
+def _check_fields(body: dict, chat: bool) -> None:
+    allowed = _CHAT_FIELDS if chat else _COMPLETION_FIELDS
+    off = _CHAT_OFF if chat else _COMPLETION_OFF
+    for k, v in body.items():
+        if k in off:
+            if not _is_off(k, v):
+                raise bad(f"'{k}' is not supported by this server (only its default value is accepted).", param=k,
+                          code="unsupported_parameter")
+        elif k not in allowed:
+            raise bad(f"Unrecognized request argument supplied: {k}", param=k, code="unrecognized_argument")
+
+
+def _parse_model(model, ctx: ParseContext) -> str:
+    if model is None:
+        raise bad("You must provide a model parameter.", param="model", code="missing_required_parameter")
+    if not isinstance(model, str):
+        raise bad("'model' must be a string.", param="model", code="invalid_type")
+    if model not in ctx.names:
+        raise APIError(404, f"The model '{model}' does not exist; this server serves '{ctx.settings.model_name}'.",
+                       param="model", code="model_not_found")
+    return model
+
+
+def _parse_stream(body: dict) -> tuple[bool, bool]:
+    stream = body.get("stream")
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise bad("'stream' must be a boolean.", param="stream", code="invalid_type")
+    so = body.get("stream_options")
+    if so is None:
+        return stream, False
+    if not stream:
+        raise bad("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
+    if not isinstance(so, dict):
+        raise bad("'stream_options' must be an object.", param="stream_options", code="invalid_type")
+    iu = so.get("include_usage", False)
+    if not isinstance(iu, bool):
+        raise bad("'stream_options.include_usage' must be a boolean.", param="stream_options", code="invalid_type")
+    return stream, iu
+
+
+def _parse_max_tokens(body: dict, chat: bool, settings: ServerSettings) -> int:
+    max_tokens, pname = body.get("max_tokens"), "max_tokens"
+    if chat and body.get("max_completion_tokens") is not None:
+        max_tokens, pname = body["max_completion_tokens"], "max_completion_tokens"
+    if max_tokens is None:
+        return settings.default_max_tokens
+    if not _is_int(max_tokens):
+        raise bad(f"'{pname}' must be an integer.", param=pname, code="invalid_type")
+    if max_tokens < 1:
+        raise bad(f"'{pname}' must be at least 1, got {max_tokens}.", param=pname, code="invalid_value")
+    if max_tokens > settings.max_new_tokens_limit:
+        raise bad(f"'{pname}' is {max_tokens}; this server allows at most {settings.max_new_tokens_limit}.",
+                  param=pname, code="max_tokens_exceeded")
+    return max_tokens
+
+
+def parse_sampling(body: dict) -> SamplingConfig:
+    t = body.get("temperature")
+    if t is None:
+        t = 1.0
+    if not _is_num(t):
+        raise bad("'temperature' must be a number.", param="temperature", code="invalid_type")
+    if not 0 <= t <= 2:
+        raise bad(f"'temperature' must be in [0, 2], got {t}.", param="temperature", code="invalid_value")
+    top_p = body.get("top_p")
+    if top_p is not None:
+        if not _is_num(top_p):
+            raise bad("'top_p' must be a number.", param="top_p", code="invalid_type")
+        if not 0 < top_p <= 1:
+            raise bad(f"'top_p' must be in (0, 1], got {top_p}.", param="top_p", code="invalid_value")
+        top_p = None if top_p == 1 else float(top_p)
+    top_k = body.get("top_k")
+    if top_k is not None:
+        if not _is_int(top_k):
+            raise bad("'top_k' must be an integer.", param="top_k", code="invalid_type")
+        if top_k < -1:
+            raise bad(f"'top_k' must be >= 1 (0 or -1: off), got {top_k}.", param="top_k", code="invalid_value")
+        top_k = None if top_k <= 0 else top_k
+    seed = body.get("seed")
+    if seed is not None:
+        if not _is_int(seed):
+            raise bad("'seed' must be an integer.", param="seed", code="invalid_type")
+        if not -(2**63) <= seed < 2**64:
+            raise bad("'seed' must fit in 64 bits.", param="seed", code="invalid_value")
+    try:
+        return SamplingConfig(temperature=float(t), top_k=top_k, top_p=top_p, seed=seed)
+    except SelfSpecError as e:
+        raise bad(str(e), code="invalid_value") from None
+
+
+def parse_stop(stop, max_stop: int) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise bad("'stop' must be a string or a list of strings.", param="stop", code="invalid_type")
+    if len(stop) > max_stop:
+        raise bad(f"At most {max_stop} stop strings are allowed.", param="stop", code="invalid_value")
+    return tuple(s for s in stop if s)
+
+
+def parse_draft(ext, ctx: ParseContext) -> DraftConfig:
+    """The request's `selfspec` object -> the DraftConfig it runs with (the served one when
+    absent or empty). Every check DraftConfig makes applies, unused options included."""
+    served = ctx.draft
+    if ext is None:
+        return served
+    if not isinstance(ext, dict):
+        raise bad("'selfspec' must be an object.", param="selfspec", code="invalid_type")
+    if not ext:
+        return served
+    if not ctx.settings.allow_request_draft:
+        raise bad("This server does not accept per-request draft options ('selfspec').", param="selfspec",
+                  code="unsupported_parameter")
+    unknown = [k for k in ext if k not in REQUEST_DRAFT_OPTIONS]
+    if unknown:
+        raise bad(f"'selfspec.{unknown[0]}' cannot be set per request; allowed: {', '.join(REQUEST_DRAFT_OPTIONS)}.",
+                  param=f"selfspec.{unknown[0]}", code="unsupported_parameter")
+    try:
+        opts = typed(DraftConfig, ext, text=False)  # JSON: values must have their field's type
+    except ConfigError as e:
+        raise bad(f"Invalid 'selfspec' draft options: {e}", param=f"selfspec.{e.field}", code="invalid_type") from None
+    strategy = opts.get("strategy", served.strategy)
+    if strategy not in ctx.allowed:
+        raise bad(f"Strategy {strategy!r} is not allowed on this server; allowed: {', '.join(ctx.allowed)}.",
+                  param="selfspec.strategy", code="invalid_value")
+    try:
+        # a request that changes the strategy starts from that strategy's defaults, not from
+        # options of the served one it would not use
+        cfg = replace(served, **opts) if strategy == served.strategy else DraftConfig.from_dict(opts)
+        if cfg.strategy == "draft-model" and served.strategy != "draft-model":
+            raise SelfSpecError("draft-model is not allowed per request")
+        if cfg.num_speculations > ctx.settings.max_num_speculations:
+            raise ConfigError(f"num_speculations must be in 1..{ctx.settings.max_num_speculations} on this server, "
+                              f"got {cfg.num_speculations}", "num_speculations")
+        if cfg.max_ngram > MAX_REQUEST_NGRAM:
+            raise ConfigError(f"max_ngram must be in 1..{MAX_REQUEST_NGRAM}, got {cfg.max_ngram}", "max_ngram")
+        cfg.check_model(ctx.num_layers, ctx.vocab_size)
+    except SelfSpecError as e:
+        field = getattr(e, "field", None)
+        raise bad(f"Invalid 'selfspec' draft options: {e}", param=f"selfspec.{field}" if field else "selfspec",
+                  code="invalid_type" if isinstance(e, ConfigTypeError) else "invalid_value") from None
+    return cfg
+
+
+def too_long(n: int, limits: PromptLimits, param: str, at_least: bool = False) -> APIError:
+    """The 400 for a prompt over the context or the server's prompt limit."""
+    has = f"at least {n}" if at_least else str(n)
+    if limits.max_prompt_tokens < limits.context_length - 1:
+        msg = f"This server accepts prompts of at most {limits.max_prompt_tokens} tokens; the prompt has {has} tokens."
+    else:
+        msg = f"This model's maximum context length is {limits.context_length} tokens; the prompt has {has} tokens."
+    return bad(msg, param=param, code="context_length_exceeded")
+
+
+def _check_chars(chars: int, limits: PromptLimits, param: str) -> None:
+    if chars > limits.max_prompt_chars:
+        # each token covers at most max_prompt_chars / max_prompt_tokens characters
+        per_token = max(limits.max_prompt_chars // limits.max_prompt_tokens, 1)
+        raise too_long(-(-chars // per_token), limits, param, at_least=True)
+
+
+def parse_prompt(prompt, ctx: ParseContext) -> str | list[int]:
+    """A completion prompt: text (checked against the character bound) or token ids."""
+    if prompt is None:
+        raise bad("You must provide a prompt.", param="prompt", code="missing_required_parameter")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise bad("The prompt is empty.", param="prompt", code="empty_prompt")
+        _check_chars(len(prompt), ctx.limits, "prompt")
+        return prompt
+    if isinstance(prompt, list):
+        if not prompt:
+            raise bad("The prompt is empty.", param="prompt", code="empty_prompt")
+        if all(_is_int(t) for t in prompt):
+            check_ids(prompt, ctx.limits, ctx.vocab_size, "prompt")
+            return list(prompt)
+        if all(isinstance(p, (str, list)) for p in prompt):
+            raise bad("Batched prompts are not supported: send one prompt per request.", param="prompt",
+                      code="unsupported_parameter")
+    raise bad("'prompt' must be a string or a list of token ids.", param="prompt", code="invalid_type")
+
+
+def check_ids(ids: list[int], limits: PromptLimits, vocab_size: int, param: str) -> None:
+    if len(ids) > limits.max_prompt_tokens:
+        raise too_long(len(ids), limits, param)
+    bad_ids = [t for t in ids if not 0 <= t < vocab_size]
+    if bad_ids:
+        raise bad(f"Token id {bad_ids[0]} is outside the vocabulary (size {vocab_size}).", param=param, code="invalid_value")
+
+
+def parse_messages(messages, limits: PromptLimits) -> list[dict]:
+    """Chat messages -> [{"role", "content"}] (text parts joined, developer = system),
+    checked against the character bound (the template only adds characters)."""
+    if messages is None:
+        raise bad("You must provide messages.", param="messages", code="missing_required_parameter")
+    if not isinstance(messages, list):
+        raise bad("'messages' must be a list.", param="messages", code="invalid_type")
+    if not messages:
+        raise bad("'messages' is empty.", param="messages", code="empty_prompt")
+    msgs = [_parse_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
+    if not any(m["content"].strip() for m in msgs):
+        raise bad("The messages are empty.", param="messages", code="empty_prompt")
+    _check_chars(sum(len(m["content"]) for m in msgs), limits, "messages")
+    return msgs
+
+
+def _parse_message(m, p: str) -> dict:
+    if not isinstance(m, dict):
+        raise bad(f"'{p}' must be an object.", param=p, code="invalid_type")
+    role = m.get("role")
+    if role not in _ROLES:
+        raise bad(f"'{p}.role' must be one of {', '.join(_ROLES)}; got {role!r}.", param=f"{p}.role", code="invalid_value")
+    content = m.get("content")
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise bad(f"'{p}.content' parts must be text parts ({{\"type\": \"text\", \"text\": ...}}).",
+                          param=f"{p}.content", code="unsupported_parameter")
+            parts.append(part["text"])
+        content = "".join(parts)
+    if content is None and role == "assistant":
+        content = ""
+    if not isinstance(content, str):
+        raise bad(f"'{p}.content' must be a string.", param=f"{p}.content", code="invalid_type")
+    return {"role": "system" if role == "developer" else role, "content": content}
+
+
+# ---- stage 2: tokenization (once; in a worker thread, never on the event loop) -----------
+
+
+def encode(req: Request, model, ctx: ParseContext) -> Params:
+    """Tokenize the request's prompt exactly once and check the result against the limits."""
+    if req.ids is not None:
+        ids, param = req.ids, "prompt"
+    elif req.text is not None:
+        ids, param = _tokenize(req.text, model), "prompt"
+    else:
+        ids, param = _chat_ids(req.messages, model), "messages"
+    check_ids(ids, ctx.limits, ctx.vocab_size, param)
+    return Params(ids, req.max_tokens, req.sampling, req.stop, req.stream, req.include_usage, req.draft, req.model)
+
+
+def _tokenize(text: str, model) -> list[int]:
+    if model.tokenizer is None:
+        raise bad("This model has no tokenizer: send the prompt as token ids.", param="prompt", code="invalid_value")
+    ids = model.tokenizer(text).input_ids  # what model.encode does, without its second pass over the limits
+    if not ids:
+        raise bad("The prompt is empty.", param="prompt", code="empty_prompt")
+    return [int(t) for t in ids]
+
+
+def _chat_ids(msgs: list[dict], model) -> list[int]:
+    if model.tokenizer is None or not model.chat_template:
+        raise bad("This model has no chat template (start the server with --chat-template FILE|NAME): use /v1/completions.",
+                  param="messages", code="unsupported_parameter")
+    try:
+        return model.chat_ids(msgs)  # the model's template: its tokenizer's, --chat-template, or its family's
+    except SelfSpecError as e:  # e.g. roles that do not alternate
+        msg = str(e)
+        raise bad(f"{msg[:1].upper()}{msg[1:]}.", param="messages", code="invalid_value") from None
