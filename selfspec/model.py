@@ -23,7 +23,7 @@ from selfspec.engine import GenerationResult, StreamEvent, generate
 from selfspec.errors import SelfSpecError, unknown_choice
 from selfspec.loading import ALIASES, load_source, resolve_tokenizer
 from selfspec.predictor.costs import CostModel
-from selfspec.profiles import Profile, load_profile
+from selfspec.profiles import Profile, installed_profile, load_profile
 from selfspec.resources import DraftResources
 from selfspec.runtime import Runtime
 
@@ -211,6 +211,13 @@ class SelfSpecModel:
         """A new drafter for one generation of cfg (checks cfg against this model)."""
         return build(cfg, self.resources, self.eos_token_ids)
 
+    def prepare(self) -> None:
+        """Make what the default strategy drafts with now, when the model has an installed
+        profile (quantized copy, draft head, measured costs), so that the first generation does
+        not pay for it (load does this). Without a profile auto calibrates per prompt instead."""
+        if installed_profile(self.fingerprint) is not None:
+            self.drafter(self.draft_config())
+
     # the resources, as the model's own API (resources.py)
 
     def draft_vocabulary(self, n: int) -> torch.Tensor:
@@ -280,4 +287,6 @@ def load(
     spec = ModelSpec.from_hf_config(config)
     runtime = Runtime.from_state_dict(spec, sd, config, torch_dtype, device)
     runtime.warm_up()
-    return SelfSpecModel(runtime, resolve_tokenizer(tok), name, chat_template)
+    model = SelfSpecModel(runtime, resolve_tokenizer(tok), name, chat_template)
+    model.prepare()
+    return model

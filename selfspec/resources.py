@@ -13,6 +13,7 @@ however many draft configurations a long-running process serves.
 
 from __future__ import annotations
 
+import hashlib
 import platform
 import threading
 from collections import OrderedDict
@@ -25,7 +26,8 @@ from selfspec.architectures import ModelSpec
 from selfspec.errors import SelfSpecError
 from selfspec.loading import cache_root, load_source, resolve_tokenizer
 from selfspec.predictor.costs import CostModel, head_key, load_costs, save_costs
-from selfspec.runtime import Runtime, quantize_columns
+from selfspec.quant_store import load_weights, save_weights, store_path
+from selfspec.runtime import _MATRICES, Runtime, quantize_columns
 
 MAX_DRAFT_HEADS = 12  # restricted / quantized draft heads (search measures 11 at once)
 MAX_QUANTIZED = 2  # quantized copies of the model (int8: half the model's bytes each)
@@ -92,8 +94,9 @@ class DraftResources:
             vocab = None if n is None else self.draft_vocabulary(n)
             if bits is None:
                 return vocab, rt.prepare_weight(rt.head_columns(vocab).contiguous())
-            cols = rt.head_weight() if vocab is None else rt.head_columns(vocab)
-            return vocab, quantize_columns(cols, bits)
+            tag = "full" if vocab is None else f"{n}-{hashlib.sha256(vocab.cpu().numpy().tobytes()).hexdigest()[:8]}"
+            return vocab, self._stored(f"head-{tag}-int{bits}", lambda: {"head": quantize_columns(
+                rt.head_weight() if vocab is None else rt.head_columns(vocab), bits)})["head"]
 
         with self._lock:
             return _lru_get(self._heads, (n, bits), make, MAX_DRAFT_HEADS)
@@ -101,9 +104,33 @@ class DraftResources:
     # ---- other drafting weights ---------------------------------------------------------
 
     def quantized(self, bits: int) -> Runtime:
-        """The model with `bits`-bit layers (its own head stays; drafts pass theirs)."""
+        """The model with `bits`-bit layers (its own head stays; drafts pass theirs), made once
+        per machine and kept on disk (quant_store)."""
+        def make():
+            path = self._store_path(f"layers-int{bits}")
+            made = load_weights(path) if path else None
+            q = self.runtime.quantized(bits, made=made)
+            if path and made is None:
+                save_weights(path, {f"{i}.{k}": L[k] for i, L in enumerate(q.layers) for k in _MATRICES})
+            return q
+
         with self._lock:
-            return _lru_get(self._quantized, bits, lambda: self.runtime.quantized(bits), MAX_QUANTIZED)
+            return _lru_get(self._quantized, bits, make, MAX_QUANTIZED)
+
+    def _store_path(self, what: str):
+        """Where quantized weights `what` of this model are kept; None for a model without a
+        fingerprint (a bare runtime: make_drafter)."""
+        return store_path(self.fingerprint, self.runtime.dtype, what) if self.fingerprint else None
+
+    def _stored(self, what: str, make) -> dict:
+        """Quantized weights `what` from the store, else make() (and stored)."""
+        path = self._store_path(what)
+        found = load_weights(path) if path else None
+        if found is None:
+            found = make()
+            if path:
+                save_weights(path, found)
+        return found
 
     def adapter(self, path: str, exit_layer: int | None = None):
         """(ExitAdapter, its matrices as the runtime multiplies them), checked against this model."""

@@ -194,18 +194,26 @@ class Runtime:
         """Bytes of weights one decode step reads (layers + LM head; the embedding is a gather)."""
         return sum(_nbytes(t) for L in self.layers for t in L.values()) + _nbytes(self.head) + _nbytes(self.final_norm)
 
-    def quantized(self, bits: int, group: int = INT4_GROUP) -> "Runtime":
+    def quantized(self, bits: int, group: int = INT4_GROUP, made: dict | None = None) -> "Runtime":
         """A drafting copy of this runtime whose layer matrices are `bits`-bit copies of its own
         (selfspec.quant; int4 in groups of `group` rows). Embeddings, norms, rotary tables and
         the LM head are shared (drafts pass the head they draft with: Runtime.logits(head=)),
         and it reads and writes the same KVCache layout, so a draft attends to the verifier's
-        exact keys and values. CPU kernels only."""
+        exact keys and values. CPU kernels only. `made`: {"<layer>.<matrix>": QuantizedWeight}
+        made earlier (quant_store), used where present."""
         if not self.uses_kernels:
             raise SelfSpecError("quantized drafting needs selfspec's CPU kernels (x86-64 with AVX-512); "
                                 f"they are unavailable here ({kernels.load_error() or self.device.type})")
+        made = made or {}
+
+        def copy_of(i: int, k: str):
+            w = made.get(f"{i}.{k}")
+            if w is not None and (w.bits, w.group if bits == 4 else 0, w.shape) == (bits, group if bits == 4 else 0, self.layers[i][k].shape):
+                return w
+            return quantize(self.weight(i, k), bits, group)
+
         q = copy.copy(self)  # shallow: spec, embeddings, norms, head and rope tables are shared
-        q.layers = [{k: quantize(self.weight(i, k), bits, group) if k in _MATRICES else w for k, w in L.items()}
-                    for i, L in enumerate(self.layers)]
+        q.layers = [{k: copy_of(i, k) if k in _MATRICES else w for k, w in L.items()} for i, L in enumerate(self.layers)]
         q.blocks = kernels.FusedBlocks(
             hidden=self.spec.hidden_size, heads=self.spec.num_heads, kv_heads=self.spec.num_kv_heads,
             head_dim=self.spec.head_dim, inter=self.layers[0]["w_down"].shape[0], eps=self.spec.rms_norm_eps,

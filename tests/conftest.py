@@ -70,15 +70,18 @@ def default_model_bf16():
 
 @pytest.fixture(scope="session", autouse=True)
 def _private_cost_cache(tmp_path_factory):
-    """Measured costs in a fresh directory for this session (subprocesses inherit it). Only
-    the costs: the rest of the selfspec cache holds the converted default model (1.1 GB)."""
-    old = os.environ.get("SELFSPEC_COSTS_DIR")
+    """Measured costs and quantized copies in fresh directories for this session (subprocesses
+    inherit them). Only those: the rest of the selfspec cache holds the converted default
+    model (1.1 GB)."""
+    saved = {k: os.environ.get(k) for k in ("SELFSPEC_COSTS_DIR", "SELFSPEC_QUANT_DIR")}
     os.environ["SELFSPEC_COSTS_DIR"] = str(tmp_path_factory.mktemp("costs"))
+    os.environ["SELFSPEC_QUANT_DIR"] = str(tmp_path_factory.mktemp("quantized"))  # quantized copies, likewise
     yield
-    if old is None:
-        os.environ.pop("SELFSPEC_COSTS_DIR", None)
-    else:
-        os.environ["SELFSPEC_COSTS_DIR"] = old
+    for k, old in saved.items():
+        if old is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = old
 
 
 TESTS = Path(__file__).resolve().parent

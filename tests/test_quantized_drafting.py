@@ -79,3 +79,40 @@ def test_torch_runtimes_say_quantized_drafting_needs_the_kernels(monkeypatch):
     m = selfspec.load(build_hf("llama", seed=0), dtype="float32")
     with pytest.raises(SelfSpecError, match="quantized drafting needs selfspec's CPU kernels"):
         m.generate([1, 2, 3], max_new_tokens=4, strategy="quantized")
+
+
+def test_copies_are_kept_on_disk_and_read_back(tmp_path, monkeypatch):
+    """Made once per machine: a second load reads the same weights back (no quantizer call);
+    a file from other quantizer code or a truncated one is ignored and remade."""
+    from selfspec import quant, quant_store
+
+    monkeypatch.setenv("SELFSPEC_QUANT_DIR", str(tmp_path))
+    hf = build_hf("llama", seed=9, num_layers=2, hidden_size=64, intermediate_size=128, vocab_size=96)
+    first = selfspec.load(hf, dtype="bfloat16")
+    q1 = first.resources.quantized(4)
+    _, h1 = first.resources.draft_head(None, 8)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert len(files) == 2 and all(f.startswith(first.fingerprint) for f in files), files
+
+    calls = []
+    real = quant.quantize
+    monkeypatch.setattr("selfspec.runtime.quantize", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    second = selfspec.load(hf, dtype="bfloat16")
+    q2 = second.resources.quantized(4)
+    _, h2 = second.resources.draft_head(None, 8)
+    assert calls == []
+    for L1, L2 in zip(q1.layers, q2.layers):
+        for k in ("wqkv", "wo", "w_gate_up", "w_down"):
+            assert torch.equal(L1[k].q, L2[k].q) and torch.equal(L1[k].scale, L2[k].scale) and torch.equal(L1[k].zero, L2[k].zero)
+    assert torch.equal(h1.q, h2.q) and torch.equal(h1.scale, h2.scale)
+    p = ar_generate(second, [1, 2, 3, 4, 5], max_new_tokens=12)
+    assert second.generate([1, 2, 3, 4, 5], max_new_tokens=12, strategy="quantized", draft_bits=4).token_ids == p.token_ids
+
+    layers = next(tmp_path.glob("*layers-int4*"))
+    layers.write_bytes(layers.read_bytes()[:1000])  # truncated
+    monkeypatch.setattr(quant_store, "quantizer_version", lambda: "other")
+    calls.clear()
+    third = selfspec.load(hf, dtype="bfloat16")
+    third.resources.quantized(4)
+    assert len(calls) == 8  # 2 layers x 4 matrices remade
+    assert quant_store.load_weights(layers) is not None  # and stored again, whole

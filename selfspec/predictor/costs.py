@@ -56,8 +56,9 @@ class CostModel:
     @classmethod
     def measure(cls, runtime, draft_heads: dict[int | str, object] | None = None, quantized: dict | None = None,
                 repeats: int = 5, layers: int = 3) -> "CostModel":
-        """Median of `repeats` timings per primitive, averaged over `layers` evenly spaced
-        layers. `draft_heads`: head_key -> a head as the runtime multiplies it (prepared or
+        """The fastest of `repeats` timings per primitive (other processes only ever add time;
+        medians on a busy 2-core machine came out tens of times too high), averaged over
+        `layers` evenly spaced layers. `draft_heads`: head_key -> a head as the runtime multiplies it (prepared or
         quantized); `quantized`: bits -> the quantized copy of the runtime (1-row sub-layers)."""
         clock = time.perf_counter
         cache = runtime.new_cache(256)
@@ -74,7 +75,7 @@ class CostModel:
                 t0 = clock()
                 fn()
                 ts.append(clock() - t0)
-            return statistics.median(ts)
+            return min(ts)
 
         attn, mlp, head = {}, {}, {}
         with torch.inference_mode():
