@@ -231,12 +231,30 @@ class BatchEngine:
         ks = plan(self._costs, self.rt, greedy, caps, groups, sum(len(p.ids) for _, p in prefill),
                   sum(p.logits != "none" for _, p in prefill))
         self.last_plan = ks
-        for s, k in zip(greedy, ks):
+        for s, k, cap in zip(greedy, ks, caps):
+            k = self._probe(s, k, cap)
             s.planned_k = k
             if s.kind == "free":
                 s.draft.tokens, s.draft.dists = s.draft.tokens[:k], s.draft.dists[:k]
             if s.auto is not None:
                 s.auto.decisions.append(k)
+
+    @staticmethod
+    def _probe(s: Sequence, k: int, cap: int) -> int:
+        """Acceptance is only learnt by drafting: a sequence the planner keeps at k = 0 drafts
+        one token after a back-off that doubles while probes keep failing (auto's rule), so
+        a draft that became good is noticed and a bad one costs a few 1-token probes."""
+        if k > 0 or cap <= 0:
+            if k > 0 and not s.probing:
+                s.backoff = s.BASE_BACKOFF
+            s.probing = False
+            return k
+        s.idle += 1
+        if s.idle < s.backoff:
+            return 0
+        s.idle, s.probing = 0, True
+        s.backoff = min(2 * s.backoff, s.MAX_BACKOFF)
+        return 1
 
     def _accept(self, s: Sequence, logits: torch.Tensor) -> None:
         d, step = s.draft, s.step

@@ -92,6 +92,8 @@ class Sequence:
     """The engine's state for one request: its KV cache (its own static, position-indexed
     cache, sized as a solo run sizes it), context, output and statistics."""
 
+    BASE_BACKOFF, MAX_BACKOFF = 4, 64  # steps at k = 0 before a 1-token probe (doubling)
+
     def __init__(self, handle: BatchHandle, drafter: Drafter, cache, tokenizer, eos_ids, clock=time.perf_counter):
         req = handle.request
         self.handle, self.req, self.drafter, self.cache = handle, req, drafter, cache
@@ -106,6 +108,7 @@ class Sequence:
         self.t_last: float | None = None  # when the last token was delivered
         self.longest_gap = 0.0
         self.A, self.R = 1.0, 1.0  # decayed accepted / rejected counts (the planner's acceptance estimate)
+        self.idle, self.backoff, self.probing = 0, self.BASE_BACKOFF, False  # the planner's probes (engine._probe)
         self.step: Step | None = None
         self.draft: Draft = Draft()
         self.exit_h: list[torch.Tensor] = []  # early exit: exit hidden states of this step's drafted inputs
