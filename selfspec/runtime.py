@@ -6,7 +6,10 @@ Primitives (what drafting and verification are built from):
   logits(h, head=None)            -> [T, V] (or [T, N] through a restricted draft head)
 Sub-layers can be skipped per call (`skip_attn`, `skip_mlp`: the residual passes through).
 
-Batch size is 1 and tensors carry no batch dimension. A verify pass over T positions must
+Tensors carry no batch dimension. Several sequences go through one pass with
+run_layers_batch: their rows concatenated, each run of rows (a segment) with its own KVCache
+and positions (cache.SegmentTable); the matmuls stream every weight once for all rows and
+each row is computed exactly as alone (selfspec/batch uses it). A verify pass over T positions must
 produce *bit-identical* rows to T single-token steps (so speculative greedy output equals
 autoregressive output exactly, not just up to rounding).
 
