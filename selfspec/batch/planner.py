@@ -42,7 +42,7 @@ class BatchCosts:
     _draft_cache: dict = field(default_factory=dict)
 
     @classmethod
-    def measure(cls, rt, repeats: int = 3, context: int = 64) -> "BatchCosts":
+    def measure(cls, rt, repeats: int = 2, context: int = 64) -> "BatchCosts":
         clock, layers, head = time.perf_counter, {}, {}
         H, gen = rt.spec.hidden_size, torch.Generator().manual_seed(0)
         caches = [rt.new_cache(context + 2 * max(ROWS)) for _ in range(8)]
