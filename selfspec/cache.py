@@ -56,3 +56,30 @@ class KVCache:
         """Round up so that runs of different strategies over the same prompt and budget
         share one capacity (and so bit-identical attention shapes)."""
         return ((total_tokens + block - 1) // block) * block
+
+
+class SegmentTable:
+    """The rows of a batched forward (Runtime.run_layers_batch): consecutive runs of rows, one
+    per sequence, each with its own KVCache and first position. `segments` are
+    (cache, pos, rows) in row order; the C kernel reads them as 8 longs each (ss_seg in
+    csrc/blocks.c: row0, rows, pos, capacity, key and value base addresses, layer strides
+    in bytes), built once per forward and shared by every layer."""
+
+    def __init__(self, segments: list[tuple["KVCache", int, int]]):
+        import numpy as np  # only the batched path needs it
+
+        self.segments = segments
+        self.count = len(segments)
+        self.rows = sum(r for _, _, r in segments)
+        table, row0 = [], 0
+        for cache, pos, rows in segments:
+            kt, v = cache.kt, cache.v
+            table.append((row0, rows, pos, cache.capacity, kt.data_ptr(), v.data_ptr(),
+                          kt.stride(0) * kt.element_size(), v.stride(0) * v.element_size()))
+            row0 += rows
+        self._array = np.array(table, dtype=np.int64).reshape(-1, 8)
+        self.ptr = self._array.ctypes.data
+
+    def positions(self) -> list[int]:
+        """The position of every row, in row order."""
+        return [p + j for _, p, r in self.segments for j in range(r)]

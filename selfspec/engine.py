@@ -38,6 +38,7 @@ class GenerationStats:
     time_verify_s: float = 0.0
     time_s: float = 0.0
     time_to_first_token_s: float = 0.0
+    longest_stall_s: float = 0.0  # batch engine: the longest wait between two deliveries of new tokens
     draft: dict | None = None  # what drafted: the configuration and its label (auto: the draft it gated, and where it came from)
 
     @property

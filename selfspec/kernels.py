@@ -152,6 +152,9 @@ def _load():
             dll.selfspec_attn_block.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 2
                                                 + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int])
             dll.selfspec_mlp_block.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long, ctypes.c_int]
+            dll.selfspec_attn_block_batch.restype = ctypes.c_int
+            dll.selfspec_attn_block_batch.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_long, ctypes.c_void_p]
+                                                      + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int])
             dll.selfspec_norm_rows.restype = ctypes.c_int
             dll.selfspec_norm_rows.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
                                                ctypes.c_float, ctypes.c_void_p]
@@ -163,7 +166,7 @@ def _load():
             dll.selfspec_qgemm_ref.restype = ctypes.c_int
             dll.selfspec_qgemm_ref.argtypes = [ctypes.c_long] + [ctypes.c_void_p] * 3
             _lib = (fn, ref)
-            _blocks.update(attn=dll.selfspec_attn_block, mlp=dll.selfspec_mlp_block,
+            _blocks.update(attn=dll.selfspec_attn_block, mlp=dll.selfspec_mlp_block, attn_batch=dll.selfspec_attn_block_batch,
                            norm_rows=dll.selfspec_norm_rows, softcap=dll.selfspec_softcap,
                            qgemm=dll.selfspec_qgemm, qgemm_ref=dll.selfspec_qgemm_ref,
                            pairs=bool(dll.selfspec_has_pairs()), pairs_ref=dll.selfspec_gemm_pairs_ref)
@@ -525,7 +528,7 @@ class FusedBlocks:
                     setattr(s, name, v.data_ptr())
                     self._keep.append(v)
             self.layers.append(s)
-        self._attn, self._mlp = _blocks["attn"], _blocks["mlp"]
+        self._attn, self._mlp, self._attn_batch = _blocks["attn"], _blocks["mlp"], _blocks["attn_batch"]
         self._dims_ptr = ctypes.addressof(self.dims)
         self._layer_ptrs = [ctypes.addressof(s) for s in self.layers]
 
@@ -540,6 +543,16 @@ class FusedBlocks:
                         cache.capacity, window or 0, cos.data_ptr(), sin.data_ptr(), threads)
         if rc:
             raise RuntimeError(f"kernels: attention block returned {rc}")
+
+    def attention_batch(self, i: int, h: torch.Tensor, segs, window: int | None,
+                        cos: torch.Tensor, sin: torch.Tensor, threads: int) -> None:
+        """Several sequences at once (csrc/blocks.c, selfspec_attn_block_batch): h [T, H] is the
+        concatenation of their rows, `segs` a SegmentTable (rows, position and KV cache of each
+        sequence), cos/sin fp32 [T, D] the rotary rows of every row's own position."""
+        rc = self._attn_batch(self._dims_ptr, self._layer_ptrs[i], h.data_ptr(), h.shape[0], segs.ptr, segs.count,
+                              i, window or 0, cos.data_ptr(), sin.data_ptr(), threads)
+        if rc:
+            raise RuntimeError(f"kernels: batched attention block returned {rc}")
 
     def mlp(self, i: int, h: torch.Tensor, threads: int) -> None:
         """h [T, H] contiguous (self.dtype), updated in place."""

@@ -267,6 +267,53 @@ class SelfSpecModel:
             return generate(self.runtime, drafter, ids, gen, sampling, self.tokenizer, self.eos_token_ids, on_event)
 
 
+    def generate_batch(
+        self,
+        prompts: list,
+        *,
+        max_new_tokens: int = GenerationConfig.max_new_tokens,
+        temperature: float = SamplingConfig.temperature,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | list[int | None] | None = None,
+        stop: list[str] | str | None = None,
+        chat: bool = False,
+        strategy: str | None = None,
+        profile: str | Profile | None = None,
+        draft: DraftConfig | None = None,
+        on_event=None,
+        max_batch: int = 16,
+        prefill_chunk: int = 128,
+        **draft_options,
+    ) -> list[GenerationResult]:
+        """generate() for many prompts at once, through one continuous batch (selfspec.batch):
+        the same options, applied to every prompt (`seed` may be a list, one per prompt;
+        `on_event(index, event)` streams). result[i] has exactly the tokens
+        generate(prompts[i], ...) would give, greedy or with the same seed."""
+        from selfspec.batch import BatchEngine, BatchRequest
+
+        gen = GenerationConfig(max_new_tokens=max_new_tokens, stop=tuple(stop) if isinstance(stop, (list, tuple)) else (stop or ()), chat=chat)
+        if draft is not None and (strategy is not None or profile is not None or draft_options):
+            raise SelfSpecError("pass either draft=DraftConfig(...) or strategy/profile/draft options, not both")
+        cfg = draft if draft is not None else self.draft_config(strategy, profile, **draft_options)
+        seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(prompts)
+        if len(seeds) != len(prompts):
+            raise SelfSpecError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        requests = []
+        for i, (prompt, s) in enumerate(zip(prompts, seeds)):
+            ids = self.encode(prompt, chat)
+            budget = min(gen.max_new_tokens, self.context_length - len(ids))
+            g = gen if budget == gen.max_new_tokens else GenerationConfig(budget, gen.stop, gen.chat)
+            sampling = SamplingConfig(temperature=float(temperature), top_k=top_k, top_p=top_p, seed=s)
+            cb = None if on_event is None else (lambda e, i=i: on_event(i, e))
+            requests.append(BatchRequest(ids, g, sampling, cfg, cb))
+        with self._lock:  # the kernels already use every core: one batch (or generation) at a time
+            engine = BatchEngine(self, max_batch=max_batch, prefill_chunk=prefill_chunk)
+            handles = [engine.submit(r) for r in requests]
+            engine.run()
+        return [h.result for h in handles]
+
+
 def load(
     source="gemma-3-270m",
     *,

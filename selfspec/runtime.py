@@ -6,7 +6,10 @@ Primitives (what drafting and verification are built from):
   logits(h, head=None)            -> [T, V] (or [T, N] through a restricted draft head)
 Sub-layers can be skipped per call (`skip_attn`, `skip_mlp`: the residual passes through).
 
-Batch size is 1 and tensors carry no batch dimension. A verify pass over T positions must
+Tensors carry no batch dimension. Several sequences go through one pass with
+run_layers_batch: their rows concatenated, each run of rows (a segment) with its own KVCache
+and positions (cache.SegmentTable); the matmuls stream every weight once for all rows and
+each row is computed exactly as alone (selfspec/batch uses it). A verify pass over T positions must
 produce *bit-identical* rows to T single-token steps (so speculative greedy output equals
 autoregressive output exactly, not just up to rounding).
 
@@ -36,7 +39,7 @@ import torch.nn.functional as F
 
 from selfspec.architectures import ModelSpec, rotary_tables, weights_from_state_dict
 from selfspec import kernels
-from selfspec.cache import KVCache
+from selfspec.cache import KVCache, SegmentTable
 from selfspec.config import MAX_SPECULATIONS
 from selfspec.errors import SelfSpecError
 from selfspec.quant import INT4_GROUP, quantize
@@ -339,6 +342,37 @@ class Runtime:
                     self.blocks.mlp(i, h, threads)
                 else:
                     h = h + self._mlp(i, h)
+        return h
+
+    def run_layers_batch(
+        self,
+        h: torch.Tensor,
+        start: int,
+        end: int,
+        segs: SegmentTable,
+        skip_attn: frozenset[int] = frozenset(),
+        skip_mlp: frozenset[int] = frozenset(),
+    ) -> torch.Tensor:
+        """run_layers for several sequences in one pass: h [T, H] is the concatenation of their
+        rows in `segs` order (each segment: its own cache, positions pos..pos+rows-1). On the
+        CPU kernels every weight matrix streams once for all T rows and each row is computed
+        exactly as in a solo run_layers call (batch invariance: csrc/blocks.c). Elsewhere the
+        segments run one after another through run_layers (exact, and no faster than solo)."""
+        if self.blocks is None:
+            parts, r0 = [], 0
+            for cache, pos, rows in segs.segments:
+                parts.append(self.run_layers(h[r0 : r0 + rows], start, end, pos, cache, skip_attn, skip_mlp))
+                r0 += rows
+            return torch.cat(parts) if parts else h
+        h = h.contiguous().clone()
+        kinds, windows, threads = self.spec.rope_kinds, self.spec.sliding_windows, torch.get_num_threads()
+        idx = torch.tensor(segs.positions(), dtype=torch.long)
+        rope = {k: (c.index_select(0, idx), s.index_select(0, idx)) for k, (c, s) in self._rope.items()}  # [T, D] per row
+        for i in range(start, end):
+            if i not in skip_attn:
+                self.blocks.attention_batch(i, h, segs, windows[i], *rope[kinds[i]], threads)
+            if i not in skip_mlp:
+                self.blocks.mlp(i, h, threads)
         return h
 
     def logits(self, h: torch.Tensor, head=None) -> torch.Tensor:

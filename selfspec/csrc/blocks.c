@@ -271,26 +271,67 @@ static int attend_rows_f32(const float *qkv, long W, float *att, long Q, long t0
     return attend_rows_impl(qkv, W, att, Q, t0, t1, pos, window, kt, vc, cap, D, nh, nkv, scale, nt, 1);
 }
 
-/* h [T, hidden] at positions pos..pos+T-1 (updated in place). kt: this layer's keys
- * [kv_heads, head_dim, cap], vc: values [kv_heads, cap, head_dim] (rows pos..pos+T-1 are
- * written). h, kt, vc: bf16 or fp32 (d->f32). cos/sin: fp32 [T, head_dim] rows for these
- * positions. window <= 0: full causal. */
-int selfspec_attn_block(const ss_dims *d, const ss_layer *w, void *h, long T, long pos,
-                        void *kt, void *vc, long cap, long window,
-                        const float *cos, const float *sin, int nthreads) {
+/* Several sequences in one call (continuous batching): the rows of h are the concatenation
+ * of segments, one per sequence, each with its own KV cache and positions. A segment is
+ * 8 longs: {row0, rows, pos, cap, kt, vc, kt_layer_stride, vc_layer_stride} (kt/vc: the
+ * cache's layer-0 base addresses; strides in bytes; rows row0..row0+rows-1 hold positions
+ * pos..pos+rows-1). The matmuls run over all T rows at once (every weight streams once per
+ * call, whatever the number of sequences); rope, the cache writes and attention are per row
+ * against the row's own segment, with exactly the solo call's chains: a row's bits never
+ * depend on the other segments, their number, order or sizes (batch invariance). */
+typedef struct { long row0, rows, pos, cap; char *kt, *vc; long kt_stride, vc_stride; } ss_seg;
+
+static int attend_segment(const ss_dims *d, const float *qkv, float *att, const ss_seg *s, long layer,
+                          long window, int nthreads) {
+    const long nh = d->heads, nkv = d->kv_heads, D = d->head_dim, Q = nh * D, W = Q + 2 * nkv * D;
+    const void *kt = s->kt + layer * s->kt_stride, *vc = s->vc + layer * s->vc_stride;
+    const float *q = qkv + s->row0 * W;
+    float *a = att + s->row0 * Q;
+    int rc = 0, nt = nthreads > 0 ? nthreads : 1;
+    /* work ~ rows x heads x keys x D: fan out only when it outweighs a parallel region's
+     * start (~10 us); query rows go in chunks so the score buffer stays small in a prefill */
+    for (long t0 = 0; t0 < s->rows && !rc; t0 += 64) {
+        long t1 = s->rows - t0 < 64 ? s->rows : t0 + 64;
+        double work = (double)(t1 - t0) * (double)nh * (double)(s->pos + t1) * (double)D;
+        rc = (d->f32 ? attend_rows_f32 : attend_rows_bf16)(q, W, a, Q, t0, t1, s->pos, window, kt, vc, s->cap, D, nh, nkv,
+                                                            d->attn_scale, work < 2.5e5 ? 1 : nt);
+    }
+    return rc;
+}
+
+/* seg_of[t] = the segment holding row t; rows outside every segment: -1 */
+static int row_segments(const ss_seg *segs, long nseg, long T, long *seg_of) {
+    for (long t = 0; t < T; t++) seg_of[t] = -1;
+    for (long i = 0; i < nseg; i++) {
+        const ss_seg *s = &segs[i];
+        if (s->row0 < 0 || s->rows < 0 || s->row0 + s->rows > T || s->pos < 0 || s->pos + s->rows > s->cap) return 3;
+        for (long t = s->row0; t < s->row0 + s->rows; t++) seg_of[t] = i;
+    }
+    for (long t = 0; t < T; t++) if (seg_of[t] < 0) return 3;
+    return 0;
+}
+
+/* h [T, hidden] (updated in place), rows given by segs (above); cos/sin: fp32 [T, head_dim],
+ * the rotary rows of every row's own position. window <= 0: full causal. */
+int selfspec_attn_block_batch(const ss_dims *d, const ss_layer *w, void *h, long T, const ss_seg *segs, long nseg,
+                              long layer, long window, const float *cos, const float *sin, int nthreads) {
     const long H = d->hidden, nh = d->heads, nkv = d->kv_heads, D = d->head_dim;
     const int f32 = d->f32, wbf = !f32;
     const long Q = nh * D, KV = nkv * D, W = Q + 2 * KV;
-    if (pos + T > cap) return 3;
     float *x = malloc(sizeof(float) * T * H);
     float *qkv = malloc(sizeof(float) * T * W);
     float *att = malloc(sizeof(float) * T * Q);
     float *o = malloc(sizeof(float) * T * H);
+    long *seg_of = malloc(sizeof(long) * (T + 1));
     int rc = 0;
-    if (!x || !qkv || !att || !o) { rc = 1; goto done; }
+    if (!x || !qkv || !att || !o || !seg_of) { rc = 1; goto done; }
+    if ((rc = row_segments(segs, nseg, T, seg_of))) goto done;
     norm_rows(h, f32, x, T, H, w->attn_norm, d->eps);
     if ((rc = selfspec_gemm(T, H, W, x, 0, w->wqkv, wbf, w->wqkv_packed, qkv, 0, nthreads))) goto done;
     for (long t = 0; t < T; t++) {
+        const ss_seg *s = &segs[seg_of[t]];
+        void *kt = s->kt + layer * s->kt_stride, *vc = s->vc + layer * s->vc_stride;
+        const long cap = s->cap, p = s->pos + (t - s->row0);
         float *r = qkv + t * W;
         if (w->bqkv) for (long i = 0; i < W; i++) r[i] += w->bqkv[i];
         const float *cs = cos + t * D, *sn = sin + t * D;
@@ -302,28 +343,51 @@ int selfspec_attn_block(const ss_dims *d, const ss_layer *w, void *h, long T, lo
             float *k = r + Q + a * D, *v = r + Q + KV + a * D;
             if (d->qk_norm) rmsnorm(k, w->k_norm, k, D, d->eps);
             rope(k, cs, sn, D);
-            long p = pos + t;
             for (long e = 0; e < D; e++) {
                 put_f(kt, (a * D + e) * cap + p, k[e], f32);
                 put_f(vc, (a * cap + p) * D + e, v[e], f32);
             }
         }
     }
-    /* work ~ rows x heads x keys x D: fan out only when it outweighs a parallel region's
-     * start (~10 us); query rows go in chunks so the score buffer stays small in a prefill */
+    /* Attention: a big segment (a prefill chunk, a long verify) fans out inside itself; the
+     * small ones (decode rows) go one segment per thread. Either way each row's chains are
+     * the solo call's: scheduling changes speed only. */
     int nt = nthreads > 0 ? nthreads : 1;
-    for (long t0 = 0; t0 < T && !rc; t0 += 64) {
-        long t1 = T - t0 < 64 ? T : t0 + 64;
-        double work = (double)(t1 - t0) * (double)nh * (double)(pos + t1) * (double)D;
-        rc = (f32 ? attend_rows_f32 : attend_rows_bf16)(qkv, W, att, Q, t0, t1, pos, window, kt, vc, cap, D, nh, nkv,
-                                                         d->attn_scale, work < 2.5e5 ? 1 : nt);
+    for (long i = 0; i < nseg && !rc; i++) {
+        const ss_seg *s = &segs[i];
+        if (nseg == 1 || (double)s->rows * nh * (s->pos + s->rows) * D >= 2.5e5 * nt)
+            rc = attend_segment(d, qkv, att, s, layer, window, nt);
     }
     if (rc) goto done;
+    if (nseg > 1) {
+        int bad = 0;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) reduction(|: bad)
+#endif
+        for (long i = 0; i < nseg; i++) {
+            const ss_seg *s = &segs[i];
+            if (!((double)s->rows * nh * (s->pos + s->rows) * D >= 2.5e5 * nt))
+                bad |= attend_segment(d, qkv, att, s, layer, window, 1);
+        }
+        if ((rc = bad)) goto done;
+    }
     if ((rc = selfspec_gemm(T, Q, H, att, 0, w->wo, wbf, w->wo_packed, o, 0, nthreads))) goto done;
     add_residual(h, f32, o, T, H, w->bo, d->sandwich ? w->post_attn_norm : NULL, d->eps);
 done:
-    free(x); free(qkv); free(att); free(o);
+    free(x); free(qkv); free(att); free(o); free(seg_of);
     return rc;
+}
+
+/* One sequence: h [T, hidden] at positions pos..pos+T-1 (updated in place). kt: this layer's
+ * keys [kv_heads, head_dim, cap], vc: values [kv_heads, cap, head_dim] (rows pos..pos+T-1 are
+ * written). h, kt, vc: bf16 or fp32 (d->f32). cos/sin: fp32 [T, head_dim] rows for these
+ * positions. window <= 0: full causal. The batch call with one segment. */
+int selfspec_attn_block(const ss_dims *d, const ss_layer *w, void *h, long T, long pos,
+                        void *kt, void *vc, long cap, long window,
+                        const float *cos, const float *sin, int nthreads) {
+    if (pos + T > cap) return 3;
+    ss_seg s = {0, T, pos, cap, (char *)kt, (char *)vc, 0, 0};
+    return selfspec_attn_block_batch(d, w, h, T, &s, 1, 0, window, cos, sin, nthreads);
 }
 
 int selfspec_mlp_block(const ss_dims *d, const ss_layer *w, void *h, long T, int nthreads) {

@@ -1,0 +1,289 @@
+"""Continuous batching: many generations share every forward pass.
+
+    engine = BatchEngine(model, max_batch=8)
+    h = engine.submit(BatchRequest(ids, gen, sampling, draft))   # any thread
+    while engine.step(): ...                                       # one driving thread
+    h.wait().token_ids                                             # == model.generate(...)'s
+
+A step (sequences join and leave only between steps):
+  1. admit queued requests up to max_batch (each gets its own KV cache, sized as solo) and
+     drop cancelled ones (their cache is freed with them);
+  2. plan every decoding sequence's draft length: greedy, the batch planner (planner.py);
+     sampling, the sequence's own rule (auto's gating or its fixed K), so its RNG is consumed
+     exactly as alone;
+  3. draft: prompt lookup per sequence (free), self-drafts by depth batched (passes.py);
+  4. ONE staged pass verifies every sequence's rows and advances up to `prefill_chunk` prompt
+     rows of newcomers (chunked prefill: running streams wait one chunk, not a prompt);
+  5. accept with the solo functions (greedy prefix / speculative sampling), commit, stream,
+     and retire finished sequences at once.
+Every row is computed as in a solo run (row-invariant kernels), so a request's tokens do not
+depend on what else is in the batch or when it joined.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections import deque
+from dataclasses import replace
+
+import torch
+
+from selfspec.batch.passes import Part, draft_depth, signature, staged_forward, verify_part
+from selfspec.batch.planner import BatchCosts, plan
+from selfspec.batch.sequence import BatchHandle, BatchRequest, Sequence
+from selfspec.config import MAX_SPECULATIONS
+from selfspec.sampling import Rows
+from selfspec.verification import greedy_accept, speculative_accept
+
+_costs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # runtime -> BatchCosts, measured once
+
+
+def batch_costs(rt) -> BatchCosts:
+    """The runtime's batched pass costs, measured on first use (a second or two)."""
+    if rt not in _costs:
+        _costs[rt] = BatchCosts.measure(rt)
+    return _costs[rt]
+
+
+class BatchEngine:
+    """Thread-safe: submit() and cancel() from any thread; step() from one thread at a time
+    (a lock serialises it). `costs`: BatchCosts for the planner (measured when first needed);
+    plan_drafts=False drafts every greedy sequence its solo K instead."""
+
+    def __init__(self, model, max_batch: int = 16, prefill_chunk: int = 128, costs: BatchCosts | None = None,
+                 plan_drafts: bool = True):
+        self.model, self.rt = model, model.runtime
+        self.max_batch, self.prefill_chunk = max(1, max_batch), max(1, prefill_chunk)
+        self.plan_drafts = plan_drafts
+        self._costs = costs
+        self._queue: deque[tuple[BatchHandle, object, float]] = deque()  # (handle, drafter, submitted at)
+        self._active: list[Sequence] = []
+        self._lock = threading.Lock()  # the queue and cancellations
+        self._step_lock = threading.Lock()  # one step at a time
+        self.steps = 0
+        self.longest_stall_s = 0.0  # the longest step while some sequence was decoding
+        self.last_plan: list[int] = []
+
+    # ---- the interface -----------------------------------------------------------------
+
+    def submit(self, request: BatchRequest) -> BatchHandle:
+        """Queue a request; its drafter is built (and its options checked) here."""
+        handle = BatchHandle(request, self)
+        drafter = self.model.drafter(request.draft)
+        with self._lock:
+            self._queue.append((handle, drafter, time.perf_counter()))
+        return handle
+
+    def cancel(self, handle: BatchHandle) -> None:
+        """Leave the batch: a queued request never starts; a running one is retired (its slot
+        and cache freed) at the next step boundary, at once if no step is running."""
+        handle.cancelled = True
+        if self._step_lock.acquire(blocking=False):
+            try:
+                self._retire_cancelled()
+            finally:
+                self._step_lock.release()
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._active)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    def idle(self) -> bool:
+        return not self._active and not self._queue
+
+    def run(self) -> None:
+        """Step until every submitted request is done."""
+        while self.step():
+            pass
+
+    def step(self) -> bool:
+        """One batched step; -> whether work remains."""
+        with self._step_lock:
+            self._retire_cancelled()
+            self._admit()
+            if not self._active:
+                return not self.idle()
+            t0 = time.perf_counter()
+            decoding_before = any(s.decoding for s in self._active)
+            self._step()
+            dt = time.perf_counter() - t0
+            self.steps += 1
+            if decoding_before:
+                self.longest_stall_s = max(self.longest_stall_s, dt)
+            self._retire_finished()
+            return not self.idle()
+
+    # ---- admission and retirement --------------------------------------------------------------
+
+    def _admit(self) -> None:
+        with self._lock:
+            while self._queue and len(self._active) < self.max_batch:
+                handle, drafter, t_submit = self._queue.popleft()
+                if handle.cancelled:
+                    handle._finish(None)
+                    continue
+                req = handle.request
+                cache = self.rt.new_cache(len(req.prompt_ids) + req.gen.max_new_tokens + MAX_SPECULATIONS + 2)
+                seq = Sequence(handle, drafter, cache, self.model.tokenizer, self.model.eos_token_ids)
+                seq.t_start = t_submit  # time to first token counts the wait in the queue
+                self._active.append(seq)
+                if seq.kind == "solo":  # its drafter prefills on its own (e.g. auto's calibration)
+                    with torch.inference_mode():
+                        logits = drafter.prefill(torch.tensor(req.prompt_ids, device=self.rt.device), cache)
+                    seq.prefilled = len(req.prompt_ids)
+                    seq.pick_first(logits)
+                else:
+                    seq.start_without_prefill()
+
+    def _retire_cancelled(self) -> None:
+        with self._lock:
+            for h, _, _ in [q for q in self._queue if q[0].cancelled]:
+                self._queue.remove(next(q for q in self._queue if q[0] is h))
+                h._finish(None)
+        for s in [s for s in self._active if s.handle.cancelled]:
+            self._active.remove(s)
+            s.handle._finish(s.result())
+
+    def _retire_finished(self) -> None:
+        for s in [s for s in self._active if s.out.finish is not None]:
+            self._active.remove(s)
+            s.handle._finish(s.result())
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def _step(self) -> None:
+        clock = time.perf_counter
+        decoding = [s for s in self._active if s.decoding]
+        for s in [s for s in decoding if s.kind == "solo"]:
+            self._solo_step(s)
+        batched = [s for s in decoding if s.kind != "solo"]
+        prefill = self._prefill_parts()
+        t0 = clock()
+        for s in batched:
+            s.new_step()
+        self._plan(batched, prefill)
+        for s in batched:
+            if s.kind == "free" and s.planned_k and not s.draft.tokens:  # greedy: made while planning
+                s.draft = s.actor.draft(replace(s.step, k=s.planned_k))
+        draft_depth([s for s in batched if s.kind == "depth"])
+        t1 = clock()
+        parts = [verify_part(s) for s in batched] + [p for _, p in prefill]
+        logits = staged_forward(self.rt, parts)
+        for s, lg in zip(batched, logits):
+            self._accept(s, lg)
+        for (s, p), lg in zip(prefill, logits[len(batched):]):
+            s.prefilled += len(p.ids)
+            if lg is not None:
+                s.pick_first(lg[-1])
+        t2 = clock()
+        for s in batched:
+            s.stats.time_draft_s += t1 - t0
+            s.stats.time_verify_s += t2 - t1
+
+    def _prefill_parts(self) -> list[tuple[Sequence, Part]]:
+        """This step's prompt chunks: up to prefill_chunk rows, oldest newcomers first."""
+        budget, out = self.prefill_chunk, []
+        for s in self._active:
+            n = len(s.req.prompt_ids) - s.prefilled
+            if n <= 0 or budget <= 0:
+                continue
+            take = min(n, budget)
+            ids = s.req.prompt_ids[s.prefilled : s.prefilled + take]
+            out.append((s, Part(s.cache, s.prefilled, ids, "last" if take == n else "none")))
+            budget -= take
+        return out
+
+    def _plan(self, seqs: list[Sequence], prefill) -> None:
+        """seq.planned_k for every sequence (module doc, step 2)."""
+        greedy = []
+        for s in seqs:
+            limit = s.step.k
+            a = s.auto
+            if s.kind == "plain" or limit <= 0:
+                s.planned_k = 0
+            elif s.req.sampling.greedy and self.plan_drafts:
+                greedy.append(s)
+                continue
+            elif a is not None:  # auto's own gating, as alone
+                s.planned_k = a._plan(limit)
+            else:
+                s.planned_k = limit
+            if a is not None:
+                a._k, a._t0 = s.planned_k, a._clock()
+        if not greedy:
+            return
+        caps = []
+        for s in greedy:
+            cap = s.step.k
+            if s.kind == "free":  # the lookup's candidate bounds it
+                s.draft = s.actor.draft(s.step)
+                cap = len(s.draft.tokens)
+            caps.append(cap)
+        if self._costs is None:
+            self._costs = batch_costs(self.rt)
+        groups = [signature(s) if s.kind == "depth" else None for s in greedy]
+        ks = plan(self._costs, self.rt, greedy, caps, groups, sum(len(p.ids) for _, p in prefill),
+                  sum(p.logits != "none" for _, p in prefill))
+        self.last_plan = ks
+        for s, k, cap in zip(greedy, ks, caps):
+            k = self._probe(s, k, cap)
+            s.planned_k = k
+            if s.kind == "free":
+                s.draft.tokens, s.draft.dists = s.draft.tokens[:k], s.draft.dists[:k]
+            if s.auto is not None:
+                s.auto.decisions.append(k)
+
+    @staticmethod
+    def _probe(s: Sequence, k: int, cap: int) -> int:
+        """Acceptance is only learnt by drafting: a sequence the planner keeps at k = 0 drafts
+        one token after a back-off that doubles while probes keep failing (auto's rule), so
+        a draft that became good is noticed and a bad one costs a few 1-token probes."""
+        if k > 0 or cap <= 0:
+            if k > 0 and not s.probing:
+                s.backoff = s.BASE_BACKOFF
+            s.probing = False
+            return k
+        s.idle += 1
+        if s.idle < s.backoff:
+            return 0
+        s.idle, s.probing = 0, True
+        s.backoff = min(2 * s.backoff, s.MAX_BACKOFF)
+        return 1
+
+    def _accept(self, s: Sequence, logits: torch.Tensor) -> None:
+        d, step = s.draft, s.step
+        if s.req.sampling.greedy:
+            n, nxt = greedy_accept(d.tokens, logits)
+        else:
+            n, nxt = speculative_accept(d.tokens, d.dists, Rows(logits, s.req.sampling), s.rng)
+        a = s.auto
+        if a is not None and not (s.req.sampling.greedy and self.plan_drafts):
+            a.accepted(step, d, n)  # auto's own bookkeeping (and its base's)
+        else:
+            s.actor.accepted(step, d, n)
+        s.commit(n, nxt)
+
+    def _solo_step(self, s: Sequence) -> None:
+        """A sequence whose drafter runs its own passes: exactly engine.generate's loop body."""
+        clock = time.perf_counter
+        step = s.new_step()
+        t0 = clock()
+        with torch.inference_mode():
+            d = s.drafter.draft(step)
+            t1 = clock()
+            logits = s.drafter.verify(step, d)
+        s.draft = d
+        if s.req.sampling.greedy:
+            n, nxt = greedy_accept(d.tokens, logits)
+        else:
+            n, nxt = speculative_accept(d.tokens, d.dists, Rows(logits, s.req.sampling), s.rng)
+        s.drafter.accepted(step, d, n)
+        s.stats.time_draft_s += t1 - t0
+        s.stats.time_verify_s += clock() - t1
+        s.commit(n, nxt)

@@ -1,0 +1,207 @@
+"""One request inside the batch engine: what was asked (BatchRequest), what the caller holds
+(BatchHandle), and the engine's per-sequence state (Sequence).
+
+A sequence drafts through its own drafter object, built exactly as `generate` builds it, so
+per-sequence state (thresholds, auto's acceptance counts and back-off, prompt lookup) and the
+way sampling consumes its RNG are a solo run's. How the engine drives it is its `kind`:
+
+  plain   autoregressive: no drafts
+  free    prompt lookup: drafts cost nothing (a list scan), made per sequence
+  depth   early exit / layer skip / quantized copy: the draft forwards of every such sequence
+          with the same draft signature run as one batched call per draft step
+  solo    anything else (draft model, exit adapter, lookup-first, auto calibrating on its own
+          prefill): the sequence's drafter runs its own forward passes, interleaved with the
+          batch; exact, not batched
+For auto the kind is its base's; auto's gating then comes from the batch planner (greedy) or
+from auto itself (sampling: so that a seed reproduces the solo tokens).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from selfspec.config import DraftConfig, GenerationConfig, SamplingConfig
+from selfspec.drafters import (AutoDrafter, Drafter, EarlyExitDrafter, ExitAdapterDrafter, LayerSkipDrafter,
+                               PromptLookupDrafter)
+from selfspec.drafters.base import Draft, Step
+from selfspec.engine import GenerationResult, GenerationStats, StreamEvent, _Output
+from selfspec.sampling import make_rng
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class BatchRequest:
+    prompt_ids: list[int]
+    gen: GenerationConfig = field(default_factory=GenerationConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    draft: DraftConfig = field(default_factory=lambda: DraftConfig("autoregressive"))
+    on_event: Callable[[StreamEvent], None] | None = None  # called from the thread that steps the engine
+
+
+class BatchHandle:
+    """What submit() returns: wait() for the result, cancel() to leave the batch (the slot and
+    the KV cache are freed at the next step boundary, or at once when the engine is idle)."""
+
+    def __init__(self, request: BatchRequest, engine):
+        self.id = next(_ids)
+        self.request = request
+        self._engine = engine
+        self._done = threading.Event()
+        self.result: GenerationResult | None = None
+        self.cancelled = False
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> GenerationResult | None:
+        self._done.wait(timeout)
+        return self.result
+
+    def cancel(self) -> None:
+        self._engine.cancel(self)
+
+    def _finish(self, result: GenerationResult | None) -> None:
+        self.result = result
+        self._done.set()
+
+
+def kind_of(d: Drafter) -> str:
+    """How the engine drives a drafter (module doc); for auto, its base's kind."""
+    if isinstance(d, AutoDrafter):
+        return "solo" if d.base is None else kind_of(d.base)
+    if type(d) is Drafter:
+        return "plain"
+    if isinstance(d, PromptLookupDrafter):
+        return "free"
+    if isinstance(d, EarlyExitDrafter) and not isinstance(d, ExitAdapterDrafter):
+        return "depth"
+    if isinstance(d, LayerSkipDrafter):
+        return "depth"
+    return "solo"
+
+
+class Sequence:
+    """The engine's state for one request: its KV cache (its own static, position-indexed
+    cache, sized as a solo run sizes it), context, output and statistics."""
+
+    BASE_BACKOFF, MAX_BACKOFF = 4, 64  # steps at k = 0 before a 1-token probe (doubling)
+
+    def __init__(self, handle: BatchHandle, drafter: Drafter, cache, tokenizer, eos_ids, clock=time.perf_counter):
+        req = handle.request
+        self.handle, self.req, self.drafter, self.cache = handle, req, drafter, cache
+        self.kind = "solo" if isinstance(drafter, AutoDrafter) and drafter.choose_base is not None else kind_of(drafter)
+        self.rng = make_rng(req.sampling.seed, cache.kt.device)
+        self.out = _Output(tokenizer, req.gen, eos_ids, req.on_event)
+        self.stats = GenerationStats(prompt_tokens=len(req.prompt_ids))
+        self.tokens: list[int] = list(req.prompt_ids)
+        self.prefilled = 0  # prompt positions whose KV is in the cache
+        self.clock = clock
+        self.t_start = clock()
+        self.t_last: float | None = None  # when the last token was delivered
+        self.longest_gap = 0.0
+        self.A, self.R = 1.0, 1.0  # decayed accepted / rejected counts (the planner's acceptance estimate)
+        self.idle, self.backoff, self.probing = 0, self.BASE_BACKOFF, False  # the planner's probes (engine._probe)
+        self.step: Step | None = None
+        self.draft: Draft = Draft()
+        self.exit_h: list[torch.Tensor] = []  # early exit: exit hidden states of this step's drafted inputs
+        self.planned_k = 0
+
+    # ---- what drafts -----------------------------------------------------------------------
+
+    @property
+    def auto(self) -> AutoDrafter | None:
+        return self.drafter if isinstance(self.drafter, AutoDrafter) else None
+
+    @property
+    def actor(self) -> Drafter:
+        """The drafter that makes the drafts (auto's base, else the drafter itself)."""
+        a = self.auto
+        return a.base if a is not None else self.drafter
+
+    @property
+    def max_draft(self) -> int:
+        return self.drafter.max_draft
+
+    @property
+    def alpha(self) -> float:
+        return self.A / (self.A + self.R)
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled >= len(self.req.prompt_ids) and self.out.finish is None
+
+    @property
+    def remaining(self) -> int:
+        return self.req.gen.max_new_tokens - len(self.out.ids)
+
+    def start_without_prefill(self) -> None:
+        """What the drafter's prefill does besides the forward pass (that one the engine runs,
+        batched and chunked): reset per-generation state; auto: its cost table and counters."""
+        a = self.auto
+        if a is not None:
+            a._reset()
+            a._model_costs()
+            a.base.start(self.cache)
+        else:
+            self.drafter.start(self.cache)
+
+    def new_step(self) -> Step:
+        K = self.max_draft
+        if not self.stats.per_position_drafted and K:
+            self.stats.per_position_drafted, self.stats.per_position_accepted = [0] * K, [0] * K
+        self.step = Step(self.tokens, len(self.tokens) - 1, min(K, self.remaining - 1), self.cache, self.req.sampling, self.rng)
+        self.draft, self.exit_h = Draft(), []
+        return self.step
+
+    # ---- results -------------------------------------------------------------------------------
+
+    def pick_first(self, logits: torch.Tensor) -> None:
+        """The first new token from the prompt's last logits [V] (as `generate` picks it)."""
+        from selfspec.sampling import distribution
+
+        s = self.req.sampling
+        first = int(logits.argmax()) if s.greedy else distribution(logits, s).draw(self.rng)
+        now = self.clock()
+        self.stats.time_prefill_s = self.stats.time_to_first_token_s = now - self.t_start
+        self.tokens.append(first)
+        self._deliver([first], [False], now)
+
+    def commit(self, n: int, nxt: int) -> None:
+        """The verifier kept n drafts and added nxt."""
+        d = self.draft.tokens
+        st = self.stats
+        st.verify_steps += 1
+        st.drafted += len(d)
+        st.accepted += n
+        for i in range(len(d)):
+            st.per_position_drafted[i] += 1
+            st.per_position_accepted[i] += i < n
+        if d:
+            self.A = 0.9 * self.A + n
+            self.R = 0.9 * self.R + (n < len(d))
+        new = d[:n] + [nxt]
+        self.tokens.extend(new)
+        self._deliver(new, [True] * n + [False], self.clock())
+
+    def _deliver(self, tokens: list[int], drafted: list[bool], now: float) -> None:
+        if self.t_last is not None:
+            self.longest_gap = max(self.longest_gap, now - self.t_last)
+        self.t_last = now
+        self.out.push(tokens, drafted)
+
+    def result(self) -> GenerationResult:
+        st = self.stats
+        st.time_s = self.clock() - self.t_start
+        st.new_tokens = len(self.out.ids)
+        st.draft = self.drafter.describe()
+        st.longest_stall_s = self.longest_gap
+        finish = self.out.finish or "cancelled"
+        return GenerationResult(self.out.final_text(), self.out.ids, len(self.req.prompt_ids), finish, st, self.out.drafted)
