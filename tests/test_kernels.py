@@ -192,8 +192,8 @@ def test_disabled_by_env(monkeypatch):
 
 def test_unavailable_without_compiler(monkeypatch, tmp_path):
     """A failed build (here: no compiler, empty cache) degrades to available() == False."""
-    monkeypatch.setattr(kernels, "_lib", None)
-    monkeypatch.setattr(kernels, "_load_error", None)
+    monkeypatch.setattr(kernels.build, "_lib", None)
+    monkeypatch.setattr(kernels.build, "_load_error", None)
     monkeypatch.setenv("CC", "selfspec-no-such-compiler")
     monkeypatch.setenv("SELFSPEC_KERNEL_CACHE", str(tmp_path))
     monkeypatch.delenv("SELFSPEC_NO_KERNELS", raising=False)

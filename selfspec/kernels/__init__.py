@@ -1,0 +1,59 @@
+"""A small-M matrix multiply for the CPU decode path: y[M, N] = x[M, K] @ w[K, N].
+
+Why: torch's bf16 matmul (oneDNN) streams weights at ~12-20 GB/s for the tiny M of decode
+and speculative verification; this kernel reaches ~25-30 GB/s on the 2-core AVX-512 box
+(the LM head of Gemma 3 270M: ~12-13 ms instead of ~26 ms).
+
+Numerics (the contract callers rely on):
+  * every output element is ONE fp32 FMA chain in increasing k:
+        acc = +0.0f; for k in 0..K-1: acc = fma(float(x[m, k]), float(w[k, n]), acc)
+    bf16 -> fp32 conversions are exact; there is no split over K, no tree reduction.
+  * so row m of the result is bit-identical whatever M is (verify over M rows == M
+    single-row passes), whatever the thread count and whether w is plain or packed.
+  * output dtype = x's dtype; bf16 output is round-to-nearest-even of the fp32 accumulator
+    (NaN -> canonical NaN), like torch's float -> bfloat16 conversion.
+  * results differ from torch's `x @ w` only by accumulation order (torch is not
+    row-invariant anyway); both are fp32 accumulations of the same exact products.
+  * pair layout (pack(w, pairs=True), the default for bf16 weights on CPUs with AVX512-BF16):
+    x is first rounded to bf16 and the chain takes k two at a time, odd term then even term,
+    with denormals treated as zero (VDPBF16PS's definition). Same guarantees (row-, thread-
+    invariant, one chain per element), its own bits; ~1.2-1.4x faster at 2-9 rows, where the
+    FMA path is compute-bound (speculative verification).
+
+API:
+  available() -> bool          the compiled kernel can be used (CPU, compiler, env)
+  supports(x, w) -> bool       available() and these operands are acceptable to matmul
+  matmul(x, w) -> Tensor       x [M, K] (bf16/fp32, CPU), w [K, N] tensor (bf16/fp32, CPU,
+                               contiguous) or a PackedWeight; raises ValueError otherwise
+  has_pairs() -> bool          the pair (VDPBF16PS) path is compiled in and usable
+  pack(w) -> PackedWeight      w [K, N] re-laid out as [ceil(N/64), K, 64] (zero padded), or
+                               [ceil(N/64), ceil(K/2), 64, 2] with pairs (see above):
+                               each 64-column tile becomes one contiguous stream, ~20-30%
+                               faster than the plain layout on large N (the LM head).
+                               PackedWeight.unpack() gives back the [K, N] tensor.
+  sampling_functions()         the entry points of csrc/sampling.c (one row's top-k/top-p
+                               distribution and draws; used by selfspec/sampling.py), or None
+
+The C source (csrc/gemm.c) is compiled on first use with gcc -O3 -march=native -fopenmp
+into ~/.cache/selfspec/kernels/<hash>/libgemm.so (hash of source, flags, compiler and CPU
+flags; written to a temp file then os.replace'd) and called through ctypes. Anything that
+goes wrong (no gcc, no AVX-512, compile error, SELFSPEC_NO_KERNELS=1) makes available()
+return False; callers then use torch. Work is split over N across OpenMP threads
+(torch.get_num_threads() of them); the library links libgomp.so.1 which, torch being
+imported first, resolves to the copy torch already loaded (one thread pool, not two).
+No autograd: use under torch.no_grad() / inference_mode (results carry no grad_fn).
+
+Modules: build (compile, load, available), weights (PackedWeight, QuantizedWeight, pack),
+gemm (matmul), blocks (fused sub-layers, norm, soft-cap), sampling (csrc/sampling.c).
+"""
+
+from __future__ import annotations
+
+from selfspec.kernels.blocks import FusedBlocks, norm_rows, softcap_
+from selfspec.kernels.build import _cpu_flags, available, build_id, has_pairs, load_error
+from selfspec.kernels.gemm import _reference_fp32, _reference_pairs, matmul, supports
+from selfspec.kernels.sampling import sampling_functions
+from selfspec.kernels.weights import PackedWeight, QuantizedWeight, _qgemm_ref, pack, pack_rows, quant_errors
+
+__all__ = ["available", "has_pairs", "supports", "matmul", "pack", "pack_rows", "PackedWeight", "FusedBlocks", "norm_rows",
+           "softcap_", "QuantizedWeight", "quant_errors", "sampling_functions", "build_id", "load_error"]

@@ -1,0 +1,138 @@
+"""Fused decoder sub-layers (csrc/blocks.c): one C call per attention or MLP sub-layer, and
+the row-wise final norm and logit soft-cap."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from selfspec.kernels import build
+from selfspec.kernels.build import available
+from selfspec.kernels.weights import PackedWeight, QuantizedWeight
+
+
+class _Dims(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_long) for n in ("hidden", "heads", "kv_heads", "head_dim", "inter")] + [
+        ("eps", ctypes.c_float), ("attn_scale", ctypes.c_float),
+        ("act", ctypes.c_int), ("qk_norm", ctypes.c_int), ("sandwich", ctypes.c_int), ("f32", ctypes.c_int)]
+
+
+_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")
+_VECTORS = ("bqkv", "bo", "b_gate_up", "b_down",
+            "attn_norm", "q_norm", "k_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm")
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = ([(n, ctypes.c_void_p) for n in _WEIGHTS]
+                + [(n, ctypes.c_int) for n in ("wqkv_packed", "wo_packed", "gu_packed", "down_packed")]
+                + [(n, ctypes.c_void_p) for n in _VECTORS])
+
+
+_ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+
+
+class FusedBlocks:
+    """One C call per attention / MLP sub-layer (residual stream, cache and matrices in one
+    storage dtype, bf16 or fp32; fp32 in between).
+
+    Row-invariant like matmul (see csrc/blocks.c for the fixed reduction orders), so a verify
+    pass over T rows equals T single-row steps bit for bit. `layers` are the runtime's layer
+    dicts ([in, out] matrices of `dtype`, PackedWeights or QuantizedWeights, fp32 norm vectors,
+    optional biases);
+    the C structs hold raw pointers, so this object keeps every tensor it points at alive.
+    """
+
+    def __init__(self, *, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float,
+                 attn_scale: float, activation: str, qk_norm: bool, sandwich: bool, layers: list[dict],
+                 dtype: torch.dtype = torch.bfloat16):
+        if not available():
+            raise RuntimeError(f"kernels not available ({build._load_error or 'disabled'})")
+        if dtype not in build._DTYPES:
+            raise ValueError(f"FusedBlocks: unsupported dtype {dtype}")
+        self.dtype = dtype
+        self.dims = _Dims(hidden, heads, kv_heads, head_dim, inter, eps, attn_scale,
+                          _ACTIVATIONS[activation], int(qk_norm), int(sandwich), int(dtype == torch.float32))
+        self._keep: list = []
+        self.layers = []
+        for L in layers:
+            s = _Layer()
+            for name, flag in zip(_WEIGHTS, ("wqkv_packed", "wo_packed", "gu_packed", "down_packed")):
+                w = L[name]
+                if isinstance(w, QuantizedWeight):  # a drafting copy: layout 3, the C side reads the descriptor
+                    setattr(s, name, ctypes.addressof(w.desc))
+                    setattr(s, flag, 3)
+                    self._keep.append(w)
+                    continue
+                t = w.data if isinstance(w, PackedWeight) else w
+                if t.dtype != dtype or not t.is_contiguous():
+                    raise ValueError(f"FusedBlocks: {name} must be a contiguous {dtype} matrix")
+                setattr(s, name, t.data_ptr())
+                setattr(s, flag, (2 if w.pairs else 1) if isinstance(w, PackedWeight) else 0)
+                self._keep.append(t)
+            for name in _VECTORS:
+                if L.get(name) is not None:
+                    v = L[name].detach().float().contiguous()
+                    setattr(s, name, v.data_ptr())
+                    self._keep.append(v)
+            self.layers.append(s)
+        self._attn, self._mlp, self._attn_batch = build._blocks["attn"], build._blocks["mlp"], build._blocks["attn_batch"]
+        self._dims_ptr = ctypes.addressof(self.dims)
+        self._layer_ptrs = [ctypes.addressof(s) for s in self.layers]
+
+    def attention(self, i: int, h: torch.Tensor, pos: int, cache, window: int | None,
+                  cos: torch.Tensor, sin: torch.Tensor, threads: int) -> None:
+        """h [T, H] contiguous (self.dtype), updated in place; cache: a KVCache (self.dtype,
+        contiguous) whose layer-i rows pos..pos+T-1 are written; cos/sin fp32 [T, D] for
+        these positions."""
+        kt, v = cache.kt, cache.v  # [L, kv, D, cap] / [L, kv, cap, D]: layer i by pointer, no views
+        rc = self._attn(self._dims_ptr, self._layer_ptrs[i], h.data_ptr(), h.shape[0], pos,
+                        kt.data_ptr() + i * kt.stride(0) * kt.element_size(), v.data_ptr() + i * v.stride(0) * v.element_size(),
+                        cache.capacity, window or 0, cos.data_ptr(), sin.data_ptr(), threads)
+        if rc:
+            raise RuntimeError(f"kernels: attention block returned {rc}")
+
+    def attention_batch(self, i: int, h: torch.Tensor, segs, window: int | None,
+                        cos: torch.Tensor, sin: torch.Tensor, threads: int) -> None:
+        """Several sequences at once (csrc/blocks.c, selfspec_attn_block_batch): h [T, H] is the
+        concatenation of their rows, `segs` a SegmentTable (rows, position and KV cache of each
+        sequence), cos/sin fp32 [T, D] the rotary rows of every row's own position."""
+        rc = self._attn_batch(self._dims_ptr, self._layer_ptrs[i], h.data_ptr(), h.shape[0], segs.ptr, segs.count,
+                              i, window or 0, cos.data_ptr(), sin.data_ptr(), threads)
+        if rc:
+            raise RuntimeError(f"kernels: batched attention block returned {rc}")
+
+    def mlp(self, i: int, h: torch.Tensor, threads: int) -> None:
+        """h [T, H] contiguous (self.dtype), updated in place."""
+        rc = self._mlp(self._dims_ptr, self._layer_ptrs[i], h.data_ptr(), h.shape[0], threads)
+        if rc:
+            raise RuntimeError(f"kernels: MLP block returned {rc}")
+
+
+def norm_rows(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of every row of h [T, H] (bf16/fp32, CPU) times w (fp32 [H]), in h's dtype:
+    fp32 arithmetic with the fused blocks' fixed per-row reduction (row-invariant)."""
+    if not available():
+        raise RuntimeError(f"kernels.norm_rows: kernel not available ({build._load_error or 'disabled'})")
+    if h.dtype not in build._DTYPES or h.dim() != 2 or h.device.type != "cpu":
+        raise ValueError("kernels.norm_rows: h must be a 2-D bf16/fp32 CPU tensor")
+    h = h.detach().contiguous()
+    w = w.detach().float().contiguous()
+    if w.shape != (h.shape[1],):
+        raise ValueError(f"kernels.norm_rows: weight shape {tuple(w.shape)} does not match rows of {h.shape[1]}")
+    out = torch.empty_like(h)
+    rc = build._blocks["norm_rows"](h.data_ptr(), h.dtype == torch.float32, h.shape[0], h.shape[1], w.data_ptr(), eps, out.data_ptr())
+    if rc:
+        raise RuntimeError(f"kernels.norm_rows: returned {rc}")
+    return out
+
+
+def softcap_(y: torch.Tensor, cap: float) -> torch.Tensor:
+    """y = cap * tanh(y / cap) in place (fp32 contiguous CPU); each element's arithmetic is the
+    same wherever it sits in the tensor (row-invariant)."""
+    if y.dtype != torch.float32 or not y.is_contiguous() or y.device.type != "cpu":
+        raise ValueError("kernels.softcap_: y must be a contiguous fp32 CPU tensor")
+    rc = build._blocks["softcap"](y.data_ptr(), y.numel(), cap)
+    if rc:
+        raise RuntimeError(f"kernels.softcap_: returned {rc}")
+    return y

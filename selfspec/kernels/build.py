@@ -1,0 +1,157 @@
+"""Building and loading the C library (csrc/*.c): compiled on first use, keyed by a hash of
+the sources, flags, compiler and CPU; every entry point registered here. Any failure makes
+available() False and callers use torch (see the package doc)."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+_SRCS = [Path(__file__).parent.parent / "csrc" / name for name in ("gemm.c", "blocks.c", "quant.c", "sampling.c")]
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+_NEEDED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "fma")
+_TILE = 64  # columns per tile, must match NT in gemm.c
+_DTYPES = (torch.bfloat16, torch.float32)
+
+_lock = threading.Lock()
+_lib = None  # ctypes function, or False once loading failed
+_build_id: str | None = None  # hash of sources, flags, compiler and CPU (names the build)
+_blocks: dict = {}  # the library's other entry points: fused sub-layers, pair path flag and reference
+_load_error: str | None = None
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _cache_root() -> Path:
+    base = os.environ.get("SELFSPEC_KERNEL_CACHE")
+    if base:
+        return Path(base)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "selfspec" / "kernels"
+
+
+def _build() -> Path:
+    cc = os.environ.get("CC", "gcc")
+    if shutil.which(cc) is None:
+        raise RuntimeError(f"compiler {cc!r} not found")
+    src = b"\0".join(p.read_bytes() for p in _SRCS)
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    h = hashlib.sha256()
+    for part in (src, " ".join(_FLAGS).encode(), version.encode(), platform.machine().encode(),
+                 " ".join(sorted(_cpu_flags())).encode()):
+        h.update(part)
+        h.update(b"\0")
+    global _build_id
+    _build_id = h.hexdigest()[:20]
+    out_dir = _cache_root() / _build_id
+    lib = out_dir / "libgemm.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".libgemm-", suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        r = subprocess.run([cc, *_FLAGS, *map(str, _SRCS), "-o", tmp], capture_output=True, text=True, timeout=120)
+        if r.returncode != 0:
+            raise RuntimeError(f"compilation failed: {r.stderr.strip()[-2000:]}")
+        os.replace(tmp, lib)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+def _load():
+    global _lib, _load_error
+    if _lib is not None:
+        return _lib or None
+    with _lock:
+        if _lib is not None:
+            return _lib or None
+        try:
+            if platform.machine() not in ("x86_64", "AMD64"):
+                raise RuntimeError(f"unsupported machine {platform.machine()}")
+            missing = [f for f in _NEEDED_CPU_FLAGS if f not in _cpu_flags()]
+            if missing:
+                raise RuntimeError(f"CPU lacks {missing}")
+            dll = ctypes.CDLL(str(_build()))
+            fn = dll.selfspec_gemm
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_long] * 3 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                                                 ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+            ref = dll.selfspec_gemm_ref
+            ref.restype = ctypes.c_int
+            ref.argtypes = [ctypes.c_long] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_void_p]
+            dll.selfspec_gemm_pairs_ref.restype = ctypes.c_int
+            dll.selfspec_gemm_pairs_ref.argtypes = [ctypes.c_long] * 3 + [ctypes.c_void_p] * 3
+            dll.selfspec_has_pairs.restype = ctypes.c_int
+            for name in ("selfspec_attn_block", "selfspec_mlp_block"):
+                getattr(dll, name).restype = ctypes.c_int
+            dll.selfspec_attn_block.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 2
+                                                + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int])
+            dll.selfspec_mlp_block.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long, ctypes.c_int]
+            dll.selfspec_attn_block_batch.restype = ctypes.c_int
+            dll.selfspec_attn_block_batch.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_long, ctypes.c_void_p]
+                                                      + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int])
+            dll.selfspec_norm_rows.restype = ctypes.c_int
+            dll.selfspec_norm_rows.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
+                                               ctypes.c_float, ctypes.c_void_p]
+            dll.selfspec_softcap.restype = ctypes.c_int
+            dll.selfspec_softcap.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_float]
+            dll.selfspec_qgemm.restype = ctypes.c_int
+            dll.selfspec_qgemm.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                           ctypes.c_int, ctypes.c_int]
+            dll.selfspec_qgemm_ref.restype = ctypes.c_int
+            dll.selfspec_qgemm_ref.argtypes = [ctypes.c_long] + [ctypes.c_void_p] * 3
+            _lib = (fn, ref)
+            _blocks.update(attn=dll.selfspec_attn_block, mlp=dll.selfspec_mlp_block, attn_batch=dll.selfspec_attn_block_batch,
+                           norm_rows=dll.selfspec_norm_rows, softcap=dll.selfspec_softcap,
+                           qgemm=dll.selfspec_qgemm, qgemm_ref=dll.selfspec_qgemm_ref,
+                           pairs=bool(dll.selfspec_has_pairs()), pairs_ref=dll.selfspec_gemm_pairs_ref)
+            _blocks["dll"] = dll  # sampling_functions() registers its own entry points
+        except Exception as e:  # noqa: BLE001 - any failure means "use torch"
+            _load_error = f"{type(e).__name__}: {e}"
+            _lib = False
+    return _lib or None
+
+
+def available() -> bool:
+    """True when the compiled kernel is usable here (checks SELFSPEC_NO_KERNELS on every call)."""
+    if os.environ.get("SELFSPEC_NO_KERNELS", "") not in ("", "0"):
+        return False
+    return _load() is not None
+
+
+def build_id() -> str | None:
+    """The loaded kernel build's id (changes with the C sources), None when not available()."""
+    return _build_id if available() else None
+
+
+def load_error() -> str | None:
+    """Why available() is False (None if it is True or was never asked)."""
+    return _load_error
+
+
+def has_pairs() -> bool:
+    """available() and the CPU/compiler have the bf16 pair path (AVX512-BF16 VDPBF16PS)."""
+    return available() and bool(_blocks.get("pairs"))
+
+

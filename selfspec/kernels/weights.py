@@ -1,0 +1,173 @@
+"""Weights as the kernels read them: 64-column tiles (PackedWeight, pack, pack_rows) and
+quantized copies (QuantizedWeight; csrc/quant.c for the layouts and chains)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from selfspec.kernels import build
+from selfspec.kernels.build import available, has_pairs
+
+
+class PackedWeight:
+    """w [K, N] stored as data [ceil(N/64), K, 64] (tile t holds columns 64t..64t+63, zero padded),
+    or, with pairs=True (bf16 only), as data [ceil(N/64), ceil(K/2), 64, 2]: rows 2j and 2j+1 of
+    each column side by side, for the VDPBF16PS path (x is then rounded to bf16 first)."""
+
+    __slots__ = ("data", "in_features", "out_features", "pairs")
+
+    def __init__(self, data: torch.Tensor, in_features: int, out_features: int, pairs: bool = False):
+        self.data = data
+        self.in_features = in_features
+        self.out_features = out_features
+        self.pairs = pairs
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.in_features, self.out_features))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def unpack(self) -> torch.Tensor:
+        """The original [K, N] weight (contiguous), e.g. for a torch fallback."""
+        k, n = self.in_features, self.out_features
+        d = self.data
+        if self.pairs:  # [NB, K2, 64, 2] -> [NB, K2, 2, 64] -> [NB, 2*K2, 64]
+            d = d.transpose(2, 3).reshape(d.shape[0], -1, build._TILE)
+        return d.permute(1, 0, 2).reshape(d.shape[1], -1)[:k, :n].contiguous()
+
+    def columns(self, ids: torch.Tensor) -> torch.Tensor:
+        """Columns `ids` of w: [K, len(ids)] (a gather, no unpacking of the rest)."""
+        d = self.data[ids // build._TILE, :, ids % build._TILE]  # [n, K] or [n, K2, 2]
+        return d.reshape(len(ids), -1)[:, : self.in_features].t()
+
+    def __repr__(self) -> str:
+        return f"PackedWeight(shape={tuple(self.shape)}, dtype={self.dtype}, pairs={self.pairs})"
+
+
+class _QDesc(ctypes.Structure):  # ss_qweight in csrc/quant.c
+    _fields_ = [("q", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p),
+                ("in_features", ctypes.c_long), ("out_features", ctypes.c_long), ("group", ctypes.c_long), ("bits", ctypes.c_int)]
+
+
+class QuantizedWeight:
+    """A [K, N] weight as int8 per output channel or int4 in groups of `group` rows with a zero
+    point (selfspec.quant makes them; csrc/quant.c for the layouts and the chains). matmul
+    multiplies by it without dequantising it in memory; dequantize() gives the fp32 [K, N]."""
+
+    __slots__ = ("q", "scale", "zero", "in_features", "out_features", "group", "bits", "desc")
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, in_features: int,
+                 out_features: int, bits: int, group: int = 0):
+        # int8: fp32 scales per column; int4: fp16 scales and zero points per (group, column)
+        sdt = torch.float32 if bits == 8 else torch.float16
+        self.q, self.scale = q.contiguous(), scale.to(sdt).contiguous()
+        self.zero = None if zero is None else zero.to(sdt).contiguous()
+        self.in_features, self.out_features, self.bits, self.group = in_features, out_features, bits, group
+        self.desc = _QDesc(self.q.data_ptr(), self.scale.data_ptr(), 0 if self.zero is None else self.zero.data_ptr(),
+                           in_features, out_features, group, bits)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.in_features, self.out_features))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.zero) if t is not None)
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 [K, N] weight this stands for (tests, torch fallback)."""
+        k, n = self.in_features, self.out_features
+        if self.bits == 8:
+            q = self.q.permute(1, 0, 2).reshape(k, -1)[:, :n].float()  # [NB, K, 64] -> [K, N]
+            return q * self.scale
+        b = self.q.permute(1, 0, 2)  # [K, NB, 32]
+        u = torch.cat([b & 0xF, b >> 4], dim=-1).reshape(k, -1)[:, :n].float()  # low nibbles: columns 0..31 of a tile
+        g = torch.arange(k, device=u.device) // self.group
+        return self.scale.float()[g] * (u - self.zero.float()[g])
+
+    def __repr__(self) -> str:
+        return f"QuantizedWeight(shape={tuple(self.shape)}, bits={self.bits}, group={self.group})"
+
+
+def _qgemm_ref(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """Scalar C reference of the quantized chains (fp32 x and out); tests only."""
+    build._load()
+    x = x.float().contiguous()
+    y = torch.empty(x.shape[0], w.out_features)
+    build._blocks["qgemm_ref"](x.shape[0], x.data_ptr(), ctypes.addressof(w.desc), y.data_ptr())
+    return y
+
+
+def quant_errors(w: torch.Tensor, group: int, s: torch.Tensor, z: torch.Tensor | None, lo: float, hi: float) -> torch.Tensor | None:
+    """Squared errors of candidate quantizations of w [K, N] (fp32): s, z [C, G, N] -> err
+    [C, G, N] (csrc/quant.c selfspec_quant_errors), or None when not available()."""
+    if not available():
+        return None
+    fn = build._blocks["dll"].selfspec_quant_errors
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_float,
+                                                                                    ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+    w, s = w.float().contiguous(), s.float().contiguous()
+    z = None if z is None else z.float().contiguous()
+    err = torch.empty_like(s)
+    rc = fn(w.data_ptr(), w.shape[0], w.shape[1], group, s.data_ptr(), 0 if z is None else z.data_ptr(), s.shape[0],
+            lo, hi, err.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"kernels.quant_errors: returned {rc}")
+    return err
+
+
+def pack(w: torch.Tensor, pairs: bool | None = None) -> PackedWeight:
+    """Re-lay w [K, N] (bf16 or fp32, CPU) as 64-column tiles for matmul. Plain tiles give results
+    bit-identical to matmul with the plain w. pairs (default: has_pairs() for bf16 weights) uses
+    the pair layout and so the VDPBF16PS chain (see csrc/gemm.c), which has its own bits."""
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        raise ValueError("pack expects a 2-D tensor [K, N]")
+    if w.dtype not in build._DTYPES:
+        raise ValueError(f"pack: unsupported weight dtype {w.dtype}")
+    if w.device.type != "cpu":
+        raise ValueError("pack: weight must be on the CPU")
+    if pairs is None:
+        pairs = w.dtype == torch.bfloat16 and has_pairs()
+    if pairs and w.dtype != torch.bfloat16:
+        raise ValueError("pack: the pair layout needs bf16 weights")
+    k, n = w.shape
+    nb = (n + build._TILE - 1) // build._TILE
+    kp = k + (k % 2 if pairs else 0)
+    with torch.no_grad():
+        padded = torch.zeros(kp, nb * build._TILE, dtype=w.dtype)
+        padded[:k, :n] = w
+        if pairs:  # [K2, 2, NB, 64] -> [NB, K2, 64, 2]
+            data = padded.view(kp // 2, 2, nb, build._TILE).permute(2, 0, 3, 1).contiguous()
+        else:
+            data = padded.view(k, nb, build._TILE).permute(1, 0, 2).contiguous()
+    return PackedWeight(data, k, n, pairs)
+
+
+def pack_rows(w_t: torch.Tensor, pairs: bool | None = None) -> PackedWeight:
+    """pack(w_t.t()) without materialising the transpose: w_t is [N, K] (e.g. an LM head
+    stored one row per token). One pass over memory instead of two strided ones."""
+    n, k = w_t.shape
+    if pairs is None:
+        pairs = w_t.dtype == torch.bfloat16 and has_pairs()
+    if n % build._TILE or (pairs and k % 2):
+        return pack(w_t.t(), pairs)
+    with torch.no_grad():
+        if pairs:  # [NB, 64, K2, 2] -> [NB, K2, 64, 2]
+            data = w_t.reshape(n // build._TILE, build._TILE, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+        else:
+            data = w_t.reshape(n // build._TILE, build._TILE, k).permute(0, 2, 1).contiguous()
+    return PackedWeight(data, k, n, pairs)
