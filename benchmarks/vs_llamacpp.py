@@ -140,7 +140,8 @@ def main() -> None:
         for e, modes in engines.items():
             for mode, fn in modes.items():
                 runs = [fn(x, args.max_new_tokens, i) for _ in range(args.repeats)]  # same seed: the same tokens
-                tokens[e, mode] += len(runs[0][0])
+                out = runs[0][0]  # selfspec: the token ids; llama.cpp: their count
+                tokens[e, mode] += out if isinstance(out, int) else len(out)
                 secs[e, mode] += min(dt for _, dt in runs)  # the fastest run: least distorted by a busy machine
                 if e == "selfspec autoregressive" and mode == "greedy":
                     ar = runs[0][0]

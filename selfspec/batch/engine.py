@@ -211,11 +211,11 @@ class BatchEngine:
                 greedy.append(s)
                 continue
             elif a is not None:  # auto's own gating, as alone
-                s.planned_k = a._plan(limit)
+                s.planned_k = a.plan(limit)
             else:
                 s.planned_k = limit
             if a is not None:
-                a._k, a._t0 = s.planned_k, a._clock()
+                a.begin_step(s.planned_k)
         if not greedy:
             return
         caps = []

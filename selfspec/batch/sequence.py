@@ -147,9 +147,7 @@ class Sequence:
         batched and chunked): reset per-generation state; auto: its cost table and counters."""
         a = self.auto
         if a is not None:
-            a._reset()
-            a._model_costs()
-            a.base.start(self.cache)
+            a.start_without_prefill(self.cache)
         else:
             self.drafter.start(self.cache)
 

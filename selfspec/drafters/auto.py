@@ -110,9 +110,26 @@ class AutoDrafter(Drafter):
         return 1  # probe
 
     def draft(self, step):
-        k = self._plan(step.k)
-        self._k, self._t0 = k, self._clock()
+        k = self.plan(step.k)
+        self.begin_step(k)
         return self.base.draft(replace(step, k=k))  # k = 0 still resets the base's per-step state
+
+    # -- for engines that run the forward passes themselves (selfspec.batch) --------------
+
+    def start_without_prefill(self, cache) -> None:
+        """What prefill does besides the forward pass (the caller runs that one): a base is
+        needed already (given or from a profile)."""
+        self._reset()
+        self._model_costs()
+        self.base.start(cache)
+
+    def plan(self, limit: int) -> int:
+        """How many tokens to draft this step (0: a plain decoding step), at most `limit`."""
+        return self._plan(limit)
+
+    def begin_step(self, k: int) -> None:
+        """A step drafting k tokens starts now (accepted() times it)."""
+        self._k, self._t0 = k, self._clock()
 
     def verify(self, step, draft):
         return self.base.verify(step, draft)
