@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from selfspec.cli import add_config_args, add_model_args, config_kwargs, load_model
+from selfspec.cli_args import add_config_args, add_model_args, config_kwargs, load_model
 from selfspec.errors import SelfSpecError
 
 INTERRUPTED = 130

@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from selfspec.cli import add_chat_template_arg, add_draft_args, add_model_args, check_before_loading, choice, draft_config_from_args, load_model
+from selfspec.cli_args import add_chat_template_arg, add_draft_args, add_model_args, check_before_loading, choice, draft_config_from_args, load_model
 from selfspec.config import MAX_SPECULATIONS, STRATEGIES
 from selfspec.errors import SelfSpecError
 

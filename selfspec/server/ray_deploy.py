@@ -154,7 +154,7 @@ def serve_with_ray(args, settings) -> int:
     import ray
     from ray import serve
 
-    from selfspec.cli import config_kwargs
+    from selfspec.cli_args import config_kwargs
 
     draft_options = config_kwargs(args, DraftConfig)
     if not args.profile:
