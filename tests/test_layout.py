@@ -35,6 +35,7 @@ OPTIONAL = {
 def _optional(module: str) -> bool:
     return any(module == o or module.startswith(o + ".") for o in OPTIONAL)
 
+
 # "path" (module lines) or "path:qualname" (function lines) -> why it may be longer
 EXEMPT = {
     "selfspec/kernels.py": "pending: kernels owner split",
