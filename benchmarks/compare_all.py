@@ -30,9 +30,8 @@ import torch
 import selfspec
 from selfspec.config import DraftConfig
 from selfspec.errors import SelfSpecError
-from selfspec.tools.bench import (
+from selfspec.tools.common import (
     FORMAT,
-    MemoryMonitor,
     ProgressBar,
     Settings,
     aggregate_runs,
@@ -40,12 +39,12 @@ from selfspec.tools.bench import (
     measured_generate,
     model_info,
     now,
-    process_peak_rss_mb,
     run_record,
     strategy_label,
     write_json,
 )
 from selfspec.tools.datasets import load_dataset
+from selfspec.tools.memory import MemoryMonitor, process_peak_rss_mb
 from selfspec.tools.sweep import skip_layers
 
 AR = "selfspec autoregressive"

@@ -130,7 +130,7 @@ async def run(args) -> dict:
     import torch
 
     import selfspec
-    from selfspec.cli import config_kwargs
+    from selfspec.cli_args import config_kwargs
     from selfspec.config import DraftConfig
 
     deadline = time.monotonic() + args.time_limit
@@ -252,7 +252,7 @@ async def run(args) -> dict:
 
 
 def main(argv=None) -> int:
-    from selfspec.cli import add_draft_args, add_model_args
+    from selfspec.cli_args import add_draft_args, add_model_args
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)

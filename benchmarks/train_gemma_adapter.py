@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 import selfspec  # noqa: E402
 from selfspec.config import DraftConfig  # noqa: E402
 from selfspec.profiles import atomic_write_text  # noqa: E402
-from selfspec.tools.bench import Settings, aggregate_runs, environment, measured_generate, run_record  # noqa: E402
+from selfspec.tools.common import Settings, aggregate_runs, environment, measured_generate, run_record  # noqa: E402
 from selfspec.tools.datasets import load_dataset  # noqa: E402
 from selfspec.training.adapter_train import distill_kl, teacher_targets  # noqa: E402
 from selfspec.training.config import AdapterConfig, DataConfig, LoopConfig, ModelConfig, TrainConfig  # noqa: E402

@@ -31,8 +31,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from selfspec.errors import SelfSpecError
+from selfspec.profiles import atomic_write_bytes
 from selfspec.runtime import apply_rotary
 
 FORMAT = "selfspec-exit-adapter/1"
@@ -139,10 +142,6 @@ def rope_table(meta: AdapterMeta, start: int, stop: int, device) -> tuple[torch.
 
 def save_adapter(adapter: ExitAdapter, path: str | os.PathLike) -> None:
     """Atomic: a temporary file beside `path`, then rename."""
-    from safetensors.torch import save_file
-
-    from selfspec.profiles import atomic_write_bytes
-
     tensors = {k: v.detach().float().cpu().contiguous() for k, v in adapter.state_dict().items()}
     meta = {"format": FORMAT, **{k: json.dumps(v) for k, v in asdict(adapter.meta).items()}}
     tmp = Path(path).with_name(f".{Path(path).name}.build")
@@ -154,8 +153,6 @@ def save_adapter(adapter: ExitAdapter, path: str | os.PathLike) -> None:
 
 
 def load_adapter(path: str | os.PathLike, device="cpu") -> ExitAdapter:
-    from safetensors import safe_open
-
     try:
         with safe_open(str(path), "pt", device=str(device)) as f:
             raw = f.metadata() or {}

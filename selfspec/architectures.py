@@ -127,16 +127,17 @@ class ModelSpec:
 def rotary_tables(config, spec: ModelSpec, length: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """cos/sin tables [length, head_dim] (fp32) per rope kind, computed by the model's own
     transformers rotary module so every RoPE variant (llama3, yarn, linear...) is exactly HF's."""
+    # only the loaded architecture's modeling module: importing all five costs seconds at every start
     if spec.model_type == "gemma3_text":
-        from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding as Rotary
+        from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding as Rotary  # see above
     elif spec.model_type == "qwen3":
-        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding as Rotary
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding as Rotary  # see above
     elif spec.model_type == "qwen2":
-        from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding as Rotary
+        from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding as Rotary  # see above
     elif spec.model_type == "mistral":
-        from transformers.models.mistral.modeling_mistral import MistralRotaryEmbedding as Rotary
+        from transformers.models.mistral.modeling_mistral import MistralRotaryEmbedding as Rotary  # see above
     else:
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding as Rotary
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding as Rotary  # see above
     if getattr(config, "text_config", None) is not None and spec.model_type == "gemma3_text":
         config = config.text_config
     rotary = Rotary(config)
@@ -150,7 +151,7 @@ def rotary_tables(config, spec: ModelSpec, length: int) -> dict[str, tuple[torch
     return tables
 
 
-def _strip_prefix(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def strip_prefix(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out = {}
     for k, v in sd.items():
         for prefix in ("model.language_model.", "language_model.model.", "model."):
@@ -164,7 +165,7 @@ def _strip_prefix(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def weights_from_state_dict(spec: ModelSpec, sd: dict[str, torch.Tensor], dtype: torch.dtype, device) -> dict:
     """HF names -> runtime layout: linear weights transposed to [in, out] (see runtime.py
     for why), q|k|v and gate|up fused into one matrix each (one matmul instead of 3 / 2)."""
-    sd = _strip_prefix(sd)
+    sd = strip_prefix(sd)
 
     def get(name: str) -> torch.Tensor:
         if name not in sd:

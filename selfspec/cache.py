@@ -13,6 +13,7 @@ k+1 single-token decode steps (the losslessness guarantee depends on it).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -66,8 +67,6 @@ class SegmentTable:
     in bytes), built once per forward and shared by every layer."""
 
     def __init__(self, segments: list[tuple["KVCache", int, int]]):
-        import numpy as np  # only the batched path needs it
-
         self.segments = segments
         self.count = len(segments)
         self.rows = sum(r for _, _, r in segments)

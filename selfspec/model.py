@@ -17,6 +17,7 @@ import torch
 
 from selfspec import chat_templates
 from selfspec.architectures import ModelSpec
+from selfspec.batch import BatchEngine, BatchRequest
 from selfspec.config import STRATEGIES, DraftConfig, GenerationConfig, SamplingConfig
 from selfspec.drafters import Drafter, build
 from selfspec.engine import GenerationResult, StreamEvent, generate
@@ -290,8 +291,6 @@ class SelfSpecModel:
         the same options, applied to every prompt (`seed` may be a list, one per prompt;
         `on_event(index, event)` streams). result[i] has exactly the tokens
         generate(prompts[i], ...) would give, greedy or with the same seed."""
-        from selfspec.batch import BatchEngine, BatchRequest
-
         gen = GenerationConfig(max_new_tokens=max_new_tokens, stop=tuple(stop) if isinstance(stop, (list, tuple)) else (stop or ()), chat=chat)
         if draft is not None and (strategy is not None or profile is not None or draft_options):
             raise SelfSpecError("pass either draft=DraftConfig(...) or strategy/profile/draft options, not both")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from selfspec.config import DraftConfig
 from selfspec.errors import SelfSpecError
+from selfspec.loading import cache_root
 
 FORMAT = "selfspec-profile/1"
 
@@ -128,8 +129,6 @@ _skipped: set[str] = set()  # losing installed profiles already reported
 
 
 def user_profile_dir() -> Path:
-    from selfspec.loading import cache_root
-
     return cache_root() / "profiles"
 
 

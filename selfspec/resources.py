@@ -23,6 +23,7 @@ import torch
 from selfspec import kernels
 from selfspec.adapter import load_adapter, prepared_weights
 from selfspec.architectures import ModelSpec
+from selfspec.draft_vocab import cached_frequency_order
 from selfspec.errors import SelfSpecError
 from selfspec.loading import cache_root, load_source, resolve_tokenizer
 from selfspec.predictor.costs import CostModel, head_key, load_costs, save_costs
@@ -68,8 +69,6 @@ class DraftResources:
             if self._token_order is None:
                 if self.tokenizer is None:
                     raise SelfSpecError("a restricted draft vocabulary needs token frequencies: load a tokenizer or call set_token_frequencies")
-                from selfspec.draft_vocab import cached_frequency_order
-
                 self._token_order = cached_frequency_order(self.tokenizer, self.spec.vocab_size, cache_root() / "draft-vocab")
             return self._token_order[:n].sort().values.to(self.runtime.device)
 

@@ -18,7 +18,7 @@ from selfspec.cli import main
 from selfspec.errors import SelfSpecError
 from selfspec.model import SelfSpecModel
 from selfspec.profiles import load_profile
-from selfspec.tools import bench as bench_mod
+from selfspec.tools import quality as quality_mod
 from selfspec.tools.datasets import load_dataset
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -149,9 +149,9 @@ def test_hf_dataset_formats_and_errors(monkeypatch):
 
 def test_code_parse_check_and_ranges():
     prompt = 'def f(x):\n    """Add one."""\n'
-    assert bench_mod.code_parses(prompt, "    return x + 1\n\nprint(f(2))\n", False)
-    assert bench_mod.code_parses(prompt, "    y = x + 1\n    return (y +", True)  # budget cut: last line dropped
-    assert not bench_mod.code_parses(prompt, "    return (x +", False)
+    assert quality_mod.code_parses(prompt, "    return x + 1\n\nprint(f(2))\n", False)
+    assert quality_mod.code_parses(prompt, "    y = x + 1\n    return (y +", True)  # budget cut: last line dropped
+    assert not quality_mod.code_parses(prompt, "    return (x +", False)
     from selfspec.tools.sweep import parse_float_range, parse_int_range, skip_layers
 
     assert parse_int_range("4:16:2", "x") == [4, 6, 8, 10, 12, 14, 16]
@@ -373,7 +373,8 @@ def _render(paths, out_dir, width: int) -> str:
 
 @pytest.mark.parametrize("width", [80, 120])
 def test_report_fits_the_terminal_without_breaking_words(results_files, tmp_path, width):
-    from selfspec.tools.report import bench_rows, load_results, run_labels, sweep_rows
+    from selfspec.tools.report import load_results, run_labels
+    from selfspec.tools.tables import bench_rows, sweep_rows
 
     bench, sweep = results_files
     text = _render([bench, bench, sweep], tmp_path / "rep", width)
@@ -414,7 +415,8 @@ def test_report_files_are_readable_by_others_and_explained(results_files, tmp_pa
     page = (tmp_path / "rep" / "index.html").read_text()
     import html
 
-    from selfspec.tools.report import BENCH_COLUMNS, CHARTS
+    from selfspec.tools.plots import CHARTS
+    from selfspec.tools.tables import BENCH_COLUMNS
 
     for explanation in list(BENCH_COLUMNS.values()) + [CHARTS["bench_speedup"], CHARTS["heatmap"]]:
         assert html.escape(explanation) in page, explanation

@@ -31,7 +31,7 @@ from selfspec.drafters import (AutoDrafter, Drafter, EarlyExitDrafter, ExitAdapt
                                PromptLookupDrafter)
 from selfspec.drafters.base import Draft, Step
 from selfspec.engine import GenerationResult, GenerationStats, StreamEvent, _Output
-from selfspec.sampling import make_rng
+from selfspec.sampling import distribution, make_rng
 
 _ids = itertools.count(1)
 
@@ -163,8 +163,6 @@ class Sequence:
 
     def pick_first(self, logits: torch.Tensor) -> None:
         """The first new token from the prompt's last logits [V] (as `generate` picks it)."""
-        from selfspec.sampling import distribution
-
         s = self.req.sampling
         first = int(logits.argmax()) if s.greedy else distribution(logits, s).draw(self.rng)
         now = self.clock()

@@ -10,16 +10,21 @@ import sys
 import time
 from pathlib import Path
 
-from selfspec.cli import add_config_args, add_model_args, config_kwargs, load_model
+from rich.console import Console
+from rich.table import Table
+
+from selfspec import search as S
+from selfspec.cli_args import add_config_args, add_model_args, config_kwargs, load_model
 from selfspec.errors import SelfSpecError
+from selfspec.profiles import Profile, atomic_write_text, install_profile, save_profile
+from selfspec.search import SearchConfig
+from selfspec.tools.cli import _loud
 
 INTERRUPTED = 130
 _AUTO_FLAGS = ("thresholds", "confirm", "workers", "storage")  # flags written by hand below
 
 
 def register(sub) -> None:
-    from selfspec.search import SearchConfig
-
     p = sub.add_parser("search", help="Bayesian search (Optuna) of exit layer / skip sets / K / draft vocabulary; writes a profile",
                        description="Searches draft configurations by predicted speedup (or measured tokens/s), confirms the "
                                    "winner by measurement and writes a draft profile plus an optimisation-history plot.")
@@ -49,8 +54,6 @@ def register(sub) -> None:
 
 
 def _config(args):
-    from selfspec.search import SearchConfig
-
     kw = config_kwargs(args, SearchConfig)
     kw.update(thresholds=not args.no_thresholds, confirm=not args.no_confirm, workers=args.workers, storage=args.storage)
     return SearchConfig(**kw)
@@ -87,36 +90,61 @@ def _worker_command(args, cfg, storage: str, study_name: str, index: int) -> lis
 
 
 def cmd_search(args) -> int:
-    from rich.console import Console
-
-    from selfspec import search as S
-    from selfspec.profiles import Profile, atomic_write_text, install_profile, save_profile
-
     cfg = _config(args)
     out_dir = _writable_dir(args.out_dir)
     storage = cfg.storage or S.default_storage(out_dir)
     S.open_study(cfg, storage, cfg.study_name or "selfspec-probe")  # an unreachable storage fails before the model loads
     prompts = S.calibration_prompts(cfg)
     model = load_model(args)
-    if "quantized" in cfg.strategies and not model.runtime.uses_kernels:
-        if cfg.strategies == ("quantized",):
-            raise SelfSpecError("quantized drafting needs selfspec's CPU kernels (a CPU with AVX-512 and a C compiler)")
-        cfg = dataclasses.replace(cfg, strategies=tuple(s for s in cfg.strategies if s != "quantized"))
-        print("selfspec: quantized drafting needs selfspec's CPU kernels; searching the other strategies", file=sys.stderr)
+    cfg = _searchable(cfg, model)
     study_name = cfg.study_name or f"selfspec-{model.fingerprint}"
     console = Console(stderr=True)
     log = (lambda msg: console.print(f"[dim][worker {args.worker_index}][/dim] {msg}", highlight=False))
+    log(f"calibrating: greedy continuations of {len(prompts)} prompts, primitive costs")
+    cal = S.Calibration(model, prompts, cfg.max_new_tokens)
+    costs = model.resources.cost_model(*S.cost_parts(cfg, model.spec.vocab_size))
+    study, interrupted = _run_workers(args, cfg, model, storage, study_name, cal, costs, log)
+    if args.worker_only:
+        return INTERRUPTED if interrupted else 0
+    best, metrics = S.best_of(study)
+    if cfg.confirm and not interrupted:
+        log(f"confirming the winner by measurement: {best.label()}")
+        metrics.update(S.measure(model, best, prompts, cfg.max_new_tokens))
+        if not metrics["identical_to_autoregressive"]:
+            raise SelfSpecError("the winner's output differs from plain decoding: please report this bug")
+    metrics.update(costs=costs.to_dict(), storage=storage, study_name=study_name, n_trials=len(S.trial_rows(study)),
+                   calibration={"dataset": cfg.dataset, "num_samples": cfg.num_samples, "max_new_tokens": cfg.max_new_tokens})
+    # The measurement decides when there is one; else the prediction. auto and install read the mark.
+    speed = metrics.get("measured_speedup", metrics.get("predicted_speedup", metrics.get("value")))
+    if "measured_speedup" in metrics:
+        metrics["speedup_vs_autoregressive"] = metrics["measured_speedup"]
+    metrics["slower_than_autoregressive"] = speed is not None and speed < 1.0
+    profile = Profile(best, model.fingerprint, model.name, S.json_safe(metrics))
+    _write_results(args, cfg, model, study, profile, out_dir, interrupted, speed)
+    if args.install:
+        log(f"installed for --strategy auto: {install_profile(profile)}")  # refuses a losing profile (exit 2)
+    return INTERRUPTED if interrupted else 0
 
+
+def _searchable(cfg: SearchConfig, model) -> SearchConfig:
+    """cfg without the quantized family where the kernels cannot run it."""
+    if "quantized" not in cfg.strategies or model.runtime.uses_kernels:
+        return cfg
+    if cfg.strategies == ("quantized",):
+        raise SelfSpecError("quantized drafting needs selfspec's CPU kernels (a CPU with AVX-512 and a C compiler)")
+    print("selfspec: quantized drafting needs selfspec's CPU kernels; searching the other strategies", file=sys.stderr)
+    return dataclasses.replace(cfg, strategies=tuple(s for s in cfg.strategies if s != "quantized"))
+
+
+def _run_workers(args, cfg, model, storage, study_name, cal, costs, log):
+    """This process's trials, with cfg.workers - 1 more processes on the same study; -> (study,
+    interrupted)."""
     start = time.time()
     workers: list[subprocess.Popen] = []
     if cfg.workers > 1 and not args.worker_only:
         for i in range(1, cfg.workers):
             workers.append(subprocess.Popen(_worker_command(args, cfg, storage, study_name, i)))
         log(f"started {len(workers)} more worker process(es) on {storage}")
-
-    log(f"calibrating: greedy continuations of {len(prompts)} prompts, primitive costs")
-    cal = S.Calibration(model, prompts, cfg.max_new_tokens)
-    costs = model.resources.cost_model(*S.cost_parts(cfg, model.spec.vocab_size))
     interrupted = False
     try:
         study = S.run_worker(model, cfg, storage, study_name, cal, costs, log=log, worker=args.worker_index,
@@ -133,32 +161,18 @@ def cmd_search(args) -> int:
     bad = [w.returncode for w in workers if w.returncode not in (0, None) and not interrupted]
     if bad:
         raise SelfSpecError(f"a worker process failed (exit status {bad[0]}); finished trials are kept in {storage}")
-    if args.worker_only:
-        return INTERRUPTED if interrupted else 0
+    return study, interrupted
 
-    best, metrics = S.best_of(study)
-    if cfg.confirm and not interrupted:
-        log(f"confirming the winner by measurement: {best.label()}")
-        metrics.update(S.measure(model, best, prompts, cfg.max_new_tokens))
-        if not metrics["identical_to_autoregressive"]:
-            raise SelfSpecError("the winner's output differs from plain decoding: please report this bug")
-    metrics.update(costs=costs.to_dict(), storage=storage, study_name=study_name, n_trials=len(S.trial_rows(study)),
-                   calibration={"dataset": cfg.dataset, "num_samples": cfg.num_samples, "max_new_tokens": cfg.max_new_tokens})
-    # The measurement decides when there is one; else the prediction. auto and install read the mark.
-    speed = metrics.get("measured_speedup", metrics.get("predicted_speedup", metrics.get("value")))
-    if "measured_speedup" in metrics:
-        metrics["speedup_vs_autoregressive"] = metrics["measured_speedup"]
-    metrics["slower_than_autoregressive"] = speed is not None and speed < 1.0
-    profile = Profile(best, model.fingerprint, model.name, S.json_safe(metrics))
+
+def _write_results(args, cfg, model, study, profile, out_dir: Path, interrupted: bool, speed) -> None:
+    """profile.json, history.png, search.json; the best per strategy and the verdict printed."""
+    best, metrics = profile.draft, profile.metrics
     save_profile(profile, out_dir / "profile.json")
     S.plot_history(study, out_dir / "history.png", f"draft search: {model.name or args.model}", cfg.objective,
                    metrics if "measured_speedup" in metrics else None)
     summary = S.json_safe({"best": best.to_dict(), "metrics": metrics, "best_per_strategy": S.summary(study),
                            "trials": S.trial_rows(study), "interrupted": interrupted})
     atomic_write_text(out_dir / "search.json", json.dumps(summary, indent=2) + "\n")
-
-    from rich.table import Table
-
     t = Table(title=f"best per strategy ({metrics['n_trials']} trials, objective {cfg.objective})")
     for col in ("strategy", "configuration", "speedup", "acceptance", "c"):
         t.add_column(col)
@@ -170,12 +184,7 @@ def cmd_search(args) -> int:
               f"{metrics['measured_speedup']:.3f}x, identical output: {metrics['identical_to_autoregressive']}")
     print(f"wrote {out_dir / 'profile.json'}, {out_dir / 'history.png'}, {out_dir / 'search.json'}", file=sys.stderr)
     if metrics["slower_than_autoregressive"]:
-        from selfspec.tools.cli import _loud
-
         how = "measured" if "measured_speedup" in metrics else "predicted"
         _loud(f"WARNING: the best setting found is SLOWER than autoregressive decoding ({how} {speed:.2f}x): no draft "
               "configuration searched pays off on this model and machine. profile.json is marked as losing: "
               "--strategy auto and --install will not adopt it.")
-    if args.install:
-        log(f"installed for --strategy auto: {install_profile(profile)}")  # refuses a losing profile (exit 2)
-    return INTERRUPTED if interrupted else 0

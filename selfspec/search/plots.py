@@ -19,7 +19,7 @@ def plot_history(study, path: str | os.PathLike, title: str = "", objective: str
     import matplotlib  # optional: plotting paths only
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after matplotlib.use("Agg")
 
     rows = sorted(trial_rows(study), key=lambda r: r["number"])
     if not rows:

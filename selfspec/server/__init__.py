@@ -20,8 +20,8 @@ __all__ = ["ServerSettings", "create_app"]
 
 def __getattr__(name):
     if name in __all__:
-        # lazily: create_app needs fastapi/prometheus-client (optional), the CLI does not
-        from selfspec.server import app
+        # lazily: create_app needs fastapi/prometheus-client (~0.5 s), the CLI does not
+        from selfspec.server.app import ServerSettings, create_app
 
-        return getattr(app, name)
+        return {"ServerSettings": ServerSettings, "create_app": create_app}[name]
     raise AttributeError(name)

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from selfspec.cli import add_chat_template_arg, add_draft_args, add_model_args, check_before_loading, choice, draft_config_from_args, load_model
+from selfspec.cli_args import add_chat_template_arg, add_draft_args, add_model_args, check_before_loading, choice, draft_config_from_args, load_model
 from selfspec.config import MAX_SPECULATIONS, STRATEGIES
 from selfspec.errors import SelfSpecError
 from selfspec.server.ray_deploy import serve_with_ray
@@ -120,7 +120,7 @@ def cmd_serve(args) -> int:
     # the web stack is an optional dependency (checked above): imported only to serve
     import uvicorn
 
-    from selfspec.server.routes import create_app
+    from selfspec.server.routes import create_app  # fastapi and prometheus-client: only serve needs them
 
     if args.threads:
         torch.set_num_threads(args.threads)

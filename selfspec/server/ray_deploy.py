@@ -50,7 +50,7 @@ import torch
 
 import selfspec
 from selfspec.chat_templates import resolve
-from selfspec.cli import config_kwargs
+from selfspec.cli_args import config_kwargs
 from selfspec.config import DraftConfig, coerce
 from selfspec.errors import SelfSpecError
 from selfspec.server.settings import ServerSettings

@@ -16,10 +16,28 @@ import argparse
 import sys
 from pathlib import Path
 
-from selfspec.cli import (add_config_args, add_draft_args, add_model_args, check_before_loading, choice, config_kwargs,
-                          draft_config_from_args, load_model)
+from rich.console import Console
+from rich.text import Text
+
+from selfspec.cli_args import (
+    add_config_args,
+    add_draft_args,
+    add_model_args,
+    check_before_loading,
+    choice,
+    config_kwargs,
+    draft_config_from_args,
+    load_model,
+)
 from selfspec.config import DraftConfig, SamplingConfig
 from selfspec.errors import SelfSpecError
+from selfspec.loading import peek_shape
+from selfspec.tools.bench import bench_table, run_bench
+from selfspec.tools.common import Settings, strategy_label
+from selfspec.tools.correctness import correctness_table, run_correctness
+from selfspec.tools.datasets import load_dataset
+from selfspec.tools.report import report
+from selfspec.tools.sweep import parse_float_range, parse_int_range, run_sweep, sweep_table
 
 INTERRUPTED = 130
 
@@ -44,8 +62,6 @@ def _add_run_args(p: argparse.ArgumentParser, max_new_tokens: int, warmup: bool 
 
 
 def _dataset(args):
-    from selfspec.tools.datasets import load_dataset
-
     return load_dataset(args.dataset, args.num_samples, args.seed if args.seed is not None else 0, n_shot=args.n_shot,
                         template=args.template, prompt_field=args.prompt_field, reference_field=args.reference_field)
 
@@ -58,16 +74,12 @@ def _check_common(args) -> None:
 
 
 def _settings(args):
-    from selfspec.tools.bench import Settings
-
     sampling = SamplingConfig(**config_kwargs(args, SamplingConfig))  # validates
     return Settings(args.max_new_tokens, sampling.temperature, sampling.top_k, sampling.top_p,
                     sampling.seed if sampling.seed is not None else 0)
 
 
 def _console():
-    from rich.console import Console
-
     c = Console()
     return c if c.is_terminal else Console(width=160)  # piped to a file: room for the wide tables
 
@@ -78,9 +90,6 @@ def _err(msg: str) -> None:
 
 def _loud(msg: str) -> None:
     """A warning that must not be missed: bold yellow on a terminal, plain text in a log."""
-    from rich.console import Console
-    from rich.text import Text
-
     Console(stderr=True, highlight=False).print(Text(msg, style="bold yellow"), soft_wrap=True)
 
 
@@ -88,8 +97,6 @@ def _loud(msg: str) -> None:
 
 
 def cmd_bench(args) -> int:
-    from selfspec.tools.bench import bench_table, run_bench
-
     _check_common(args)
     settings = _settings(args)
     check_before_loading(args)
@@ -116,10 +123,6 @@ def _check_exit_layers(rows: list[int], L: int) -> None:
 
 
 def cmd_sweep(args) -> int:
-    from selfspec.loading import peek_shape
-    from selfspec.tools.bench import strategy_label
-    from selfspec.tools.sweep import parse_float_range, parse_int_range, run_sweep, sweep_table
-
     _check_common(args)
     ks = parse_int_range(args.num_speculations, "--num-speculations")
     if args.strategy == "exit-adapter" and not args.adapter:
@@ -179,8 +182,6 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_correctness(args) -> int:
-    from selfspec.tools.correctness import correctness_table, run_correctness
-
     _check_common(args)
     check_before_loading(args)
     dataset = _dataset(args)
@@ -207,8 +208,6 @@ def cmd_correctness(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from selfspec.tools.report import report
-
     labels = [s for s in args.labels.split(",")] if args.labels else None
     report(args.results, args.out_dir, labels, html_page=not args.no_html, console=_console())
     return 0

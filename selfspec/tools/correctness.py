@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 
+from rich.table import Table
+
 from selfspec.config import DraftConfig
-from selfspec.tools.bench import (
+from selfspec.tools.common import (
     FORMAT,
     ProgressBar,
     Settings,
@@ -120,8 +122,6 @@ def run_correctness(
 
 
 def correctness_table(results: dict):
-    from rich.table import Table
-
     m = results["model"]
     t = Table(title=f"selfspec correctness: {results['strategy_label']} vs autoregressive (greedy) - {m['name']} ({m['dtype']}, {m['device']})"
                     + (" [interrupted]" if results.get("interrupted") else ""))

@@ -32,23 +32,26 @@ from pathlib import Path
 from selfspec.config import MAX_SPECULATIONS, DraftConfig
 from selfspec.errors import SelfSpecError
 from selfspec.profiles import Profile, atomic_write_text, save_profile
-from selfspec.tools.bench import (
+from rich.console import Group
+
+from selfspec.tools.common import (
     FORMAT,
-    MemoryMonitor,
     ProgressBar,
     Settings,
-    _median,
     aggregate_runs,
     environment,
     measured_generate,
+    median_of,
     model_info,
     now,
-    process_peak_rss_mb,
     run_record,
     warm_up,
     write_json,
 )
 from selfspec.tools.datasets import Dataset
+from selfspec.tools.memory import MemoryMonitor, process_peak_rss_mb
+from selfspec.tools.plots import sweep_plots
+from selfspec.tools.tables import console_tables, sweep_loss_warning, sweep_rows
 
 CSV_FIELDS = [
     "strategy", "row", "exit_layer", "skip_ratio", "skip_attn", "skip_mlp", "num_speculations", "samples", "complete",
@@ -139,7 +142,7 @@ def cell_summary(cell: dict, baseline_runs: dict) -> dict:
         "tokens_per_second": s["tokens_per_second"],
         "baseline_tokens_per_second": b["tokens_per_second"],
         "speedup": s["tokens_per_second"] / b["tokens_per_second"] if runs and b["tokens_per_second"] else None,
-        "speedup_median": _median(ratios),
+        "speedup_median": median_of(ratios),
         "acceptance_rate": s["acceptance_rate"],
         "mean_accepted_length": s["mean_accepted_length"],
         "per_position_acceptance": s["per_position_acceptance"],
@@ -181,6 +184,100 @@ def csv_text(results: dict) -> str:
     return buf.getvalue()
 
 
+def sweep_grid(model, strategy: str, rows: list, ks: list[int], skip_kind: str, extra: dict) -> dict:
+    """{(row, K): DraftConfig}, every cell checked against the model before anything runs."""
+    if strategy not in ("early-exit", "layer-skip", "exit-adapter"):
+        raise SelfSpecError(f"sweep covers early-exit, layer-skip and exit-adapter, not {strategy!r}")
+    bad = [k for k in ks if not 1 <= k <= MAX_SPECULATIONS]
+    if bad:
+        raise SelfSpecError(f"--num-speculations: K must be in 1..{MAX_SPECULATIONS}, got {bad}")
+    L = model.spec.num_layers
+    grid = {(row, K): row_draft(strategy, row, K, L, skip_kind, extra) for row in rows for K in ks}
+    for cfg in grid.values():
+        cfg.check_model(L, model.spec.vocab_size)
+    return grid
+
+
+def _new_results(model, strategy, rows, ks, grid, dataset, settings, skip_kind, extra, warmup, command) -> dict:
+    return {
+        "format": FORMAT,
+        "kind": "sweep",
+        "created": now(),
+        "command": command,
+        "model": model_info(model),
+        "strategy": strategy,
+        "row_kind": "exit_layer" if strategy in ("early-exit", "exit-adapter") else "skip_ratio",
+        "rows": rows,
+        "num_speculations": ks,
+        "skip_kind": skip_kind if strategy == "layer-skip" else None,
+        "fixed_options": extra,
+        "settings": {**settings.to_dict(), "warmup": warmup, "order": "per row: per prompt, baseline then each K (rotating)"},
+        "dataset": dataset.info(),
+        "environment": environment(),
+        "requested": len(dataset.samples),
+        "interrupted": False,
+        "baseline": {str(r): [] for r in rows},
+        "cells": [{"row": r, "draft": grid[(r, K)].to_dict(), "samples": [], "summary": None} for r in rows for K in ks],
+        "best": None,
+    }
+
+
+def summarize(results: dict, memory: MemoryMonitor) -> None:
+    """Every cell's summary and the best cell, from the runs so far."""
+    for c in results["cells"]:
+        base = {r["id"]: r for r in results["baseline"][str(c["row"])]}
+        c["summary"] = cell_summary(c, base)
+    best = best_cell(results["cells"], results["requested"])
+    results["best"] = None if best is None else {"row": best["row"], "draft": best["draft"], **best["summary"],
+                                                 "slower_than_autoregressive": best["summary"]["speedup"] < 1.0}
+    results["peak_memory_mb"] = dict(memory.peaks)
+    results["process_peak_rss_mb"] = process_peak_rss_mb()
+
+
+def _measure_row(model, results: dict, row, grid: dict, dataset: Dataset, settings: Settings, memory: MemoryMonitor, bar, save) -> None:
+    """For each prompt: the baseline once, then every K of the row (K order rotating)."""
+    baseline = DraftConfig("autoregressive")
+    ks = results["num_speculations"]
+    cells = {(c["row"], c["draft"]["num_speculations"]): c for c in results["cells"]}
+    label = f"{'E' if results['strategy'] == 'early-exit' else 'skip'}={row}"
+    for i, sample in enumerate(dataset.samples):
+        seed = settings.seed + i
+        res = measured_generate(model, sample.prompt, baseline, settings, seed, memory, "baseline")
+        base = run_record(res, None, keep_text=False)
+        results["baseline"][str(row)].append({"id": sample.id, **_slim(base)})
+        bar.update(1, description=f"sweep {label}")
+        for K in ks[i % len(ks):] + ks[: i % len(ks)]:
+            res = measured_generate(model, sample.prompt, grid[(row, K)], settings, seed, memory, "strategy")
+            rec = run_record(res, None, keep_text=False)
+            cells[(row, K)]["samples"].append({"id": sample.id, "identical": rec["token_ids"] == base["token_ids"], **_slim(rec)})
+            bar.update(1)
+        save()
+        best = results["best"]
+        if best is not None:
+            bar.update(0, status=f"best so far x{best['speedup']:.2f} ({label.split('=')[0]}={best['row']}, K={best['draft']['num_speculations']}, acc {best['acceptance_rate']:.0%})")
+
+
+def best_profile(model, results: dict, dataset: Dataset, settings: Settings) -> Profile:
+    """The best cell as a draft profile, with what it was measured on."""
+    best = results["best"]
+    metrics = {k: best[k] for k in ("speedup", "speedup_median", "acceptance_rate", "mean_accepted_length", "tokens_per_second", "baseline_tokens_per_second", "samples")}
+    metrics.update({
+        "speedup_vs_autoregressive": best["speedup"],
+        # auto and install read this: a best setting that loses is a result, not a recommendation
+        "slower_than_autoregressive": best["speedup"] is not None and best["speedup"] < 1.0,
+        "dataset": dataset.name,
+        "dataset_hash": dataset.hash,
+        "max_new_tokens": settings.max_new_tokens,
+        "temperature": settings.temperature,
+        "dtype": results["model"]["dtype"],
+        "device": results["model"]["device"],
+        "machine": results["environment"].get("gpu") or results["environment"].get("cpu"),
+        "source": "selfspec sweep",
+        "created": results["created"],
+    })
+    return Profile(DraftConfig.from_dict(best["draft"]), model.fingerprint, model.name, metrics)
+
+
 def run_sweep(
     model,
     strategy: str,
@@ -198,114 +295,38 @@ def run_sweep(
     command: list[str] | None = None,
     log=None,
 ) -> dict:
-    if strategy not in ("early-exit", "layer-skip", "exit-adapter"):
-        raise SelfSpecError(f"sweep covers early-exit, layer-skip and exit-adapter, not {strategy!r}")
-    bad = [k for k in ks if not 1 <= k <= MAX_SPECULATIONS]
-    if bad:
-        raise SelfSpecError(f"--num-speculations: K must be in 1..{MAX_SPECULATIONS}, got {bad}")
-    L = model.spec.num_layers
     extra = {k: v for k, v in (extra or {}).items() if v is not None}
-    grid = {(row, K): row_draft(strategy, row, K, L, skip_kind, extra) for row in rows for K in ks}
-    for cfg in grid.values():
-        cfg.check_model(L, model.spec.vocab_size)  # every cell is valid before anything runs
-    baseline = DraftConfig("autoregressive")
+    grid = sweep_grid(model, strategy, rows, ks, skip_kind, extra)
     out_dir = Path(out_dir) if out_dir is not None else None
-    n = len(dataset.samples)
-    results = {
-        "format": FORMAT,
-        "kind": "sweep",
-        "created": now(),
-        "command": command,
-        "model": model_info(model),
-        "strategy": strategy,
-        "row_kind": "exit_layer" if strategy in ("early-exit", "exit-adapter") else "skip_ratio",
-        "rows": rows,
-        "num_speculations": ks,
-        "skip_kind": skip_kind if strategy == "layer-skip" else None,
-        "fixed_options": extra,
-        "settings": {**settings.to_dict(), "warmup": warmup, "order": "per row: per prompt, baseline then each K (rotating)"},
-        "dataset": dataset.info(),
-        "environment": environment(),
-        "requested": n,
-        "interrupted": False,
-        "baseline": {str(r): [] for r in rows},
-        "cells": [{"row": r, "draft": grid[(r, K)].to_dict(), "samples": [], "summary": None} for r in rows for K in ks],
-        "best": None,
-    }
-    cells = {(c["row"], c["draft"]["num_speculations"]): c for c in results["cells"]}
+    results = _new_results(model, strategy, rows, ks, grid, dataset, settings, skip_kind, extra, warmup, command)
     memory = MemoryMonitor(str(model.runtime.device))
     results["memory_method"] = memory.method
 
-    def summarize():
-        for c in results["cells"]:
-            base = {r["id"]: r for r in results["baseline"][str(c["row"])]}
-            c["summary"] = cell_summary(c, base)
-        best = best_cell(results["cells"], n)
-        results["best"] = None if best is None else {"row": best["row"], "draft": best["draft"], **best["summary"],
-                                                     "slower_than_autoregressive": best["summary"]["speedup"] < 1.0}
-        results["peak_memory_mb"] = dict(memory.peaks)
-        results["process_peak_rss_mb"] = process_peak_rss_mb()
-
     def save():
-        summarize()
+        summarize(results, memory)
         if out_dir is not None:
             write_json(out_dir / "sweep.json", results)
             atomic_write_text(out_dir / "sweep.csv", csv_text(results))
 
-    total = len(rows) * n * (1 + len(ks))
     try:
         if warmup:
             if log:
                 log(f"warming up ({warmup} untimed generation(s) each of the baseline and the first cell)")
-            warm_up(model, dataset, [baseline, grid[(rows[0], ks[0])]], settings, warmup)
-        with ProgressBar(total, "sweep", progress) as bar:
+            warm_up(model, dataset, [DraftConfig("autoregressive"), grid[(rows[0], ks[0])]], settings, warmup)
+        with ProgressBar(len(rows) * len(dataset.samples) * (1 + len(ks)), "sweep", progress) as bar:
             for row in rows:
-                label = f"{'E' if strategy == 'early-exit' else 'skip'}={row}"
-                for i, sample in enumerate(dataset.samples):
-                    seed = settings.seed + i
-                    res = measured_generate(model, sample.prompt, baseline, settings, seed, memory, "baseline")
-                    base = run_record(res, None, keep_text=False)
-                    results["baseline"][str(row)].append({"id": sample.id, **_slim(base)})
-                    bar.update(1, description=f"sweep {label}")
-                    order = ks[i % len(ks):] + ks[: i % len(ks)]
-                    for K in order:
-                        res = measured_generate(model, sample.prompt, grid[(row, K)], settings, seed, memory, "strategy")
-                        rec = run_record(res, None, keep_text=False)
-                        cells[(row, K)]["samples"].append({"id": sample.id, "identical": rec["token_ids"] == base["token_ids"], **_slim(rec)})
-                        bar.update(1)
-                    save()
-                    best = results["best"]
-                    if best is not None:
-                        bar.update(0, status=f"best so far x{best['speedup']:.2f} ({label.split('=')[0]}={best['row']}, K={best['draft']['num_speculations']}, acc {best['acceptance_rate']:.0%})")
+                _measure_row(model, results, row, grid, dataset, settings, memory, bar, save)
     except KeyboardInterrupt:
         results["interrupted"] = True
     finally:
         memory.close()
     save()
     if out_dir is not None:
-        from selfspec.tools.report import sweep_plots
-
         results["plots"] = [str(p) for p in sweep_plots(results, out_dir)]
         write_json(out_dir / "sweep.json", results)
-    best = results["best"]
-    if best is not None and (profile_out is not None or out_dir is not None):
+    if results["best"] is not None and (profile_out is not None or out_dir is not None):
         path = Path(profile_out) if profile_out is not None else out_dir / "best_profile.json"
-        metrics = {k: best[k] for k in ("speedup", "speedup_median", "acceptance_rate", "mean_accepted_length", "tokens_per_second", "baseline_tokens_per_second", "samples")}
-        metrics.update({
-            "speedup_vs_autoregressive": best["speedup"],
-            # auto and install read this: a best setting that loses is a result, not a recommendation
-            "slower_than_autoregressive": best["speedup"] is not None and best["speedup"] < 1.0,
-            "dataset": dataset.name,
-            "dataset_hash": dataset.hash,
-            "max_new_tokens": settings.max_new_tokens,
-            "temperature": settings.temperature,
-            "dtype": results["model"]["dtype"],
-            "device": results["model"]["device"],
-            "machine": results["environment"].get("gpu") or results["environment"].get("cpu"),
-            "source": "selfspec sweep",
-            "created": results["created"],
-        })
-        save_profile(Profile(DraftConfig.from_dict(best["draft"]), model.fingerprint, model.name, metrics), path)
+        save_profile(best_profile(model, results, dataset, settings), path)
         results["profile"] = str(path)
         if out_dir is not None:
             write_json(out_dir / "sweep.json", results)
@@ -316,10 +337,6 @@ def sweep_table(results: dict, width: int = 160):
     """The grid as it fits a console `width` columns wide (split into several tables when
     there are too many K for one), best cell starred; a best cell slower than plain
     decoding is said so in the caption."""
-    from rich.console import Group
-
-    from selfspec.tools.report import console_tables, sweep_loss_warning, sweep_rows
-
     m = results["model"]
     title = (f"selfspec sweep: {results['strategy']} speedup vs autoregressive - {m['name']} ({m['dtype']}, {m['device']}), "
              f"{results['dataset']['name']} x{results['requested']}" + (" [interrupted]" if results.get("interrupted") else ""))

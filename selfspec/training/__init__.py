@@ -15,12 +15,6 @@ recipe script), cli.
 """
 
 from selfspec.training.config import AdapterConfig, DataConfig, LayerSkipConfig, LoopConfig, ModelConfig, TrainConfig
+from selfspec.training.trainer import train
 
 __all__ = ["AdapterConfig", "DataConfig", "LayerSkipConfig", "LoopConfig", "ModelConfig", "TrainConfig", "train"]
-
-
-def train(cfg: TrainConfig, **kw):
-    """Run a recipe (see selfspec.training.trainer.train)."""
-    from selfspec.training.trainer import train as _train
-
-    return _train(cfg, **kw)

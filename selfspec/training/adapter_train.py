@@ -37,7 +37,9 @@ import torch
 import torch.nn.functional as F
 
 from selfspec.adapter import AdapterMeta, ExitAdapter, draft_logits, load_adapter, save_adapter
+from selfspec.config import DraftConfig
 from selfspec.errors import SelfSpecError
+from selfspec.profiles import Profile, save_profile
 from selfspec.training.config import TrainConfig
 from selfspec.training.data import Corpus, sequence_order
 from selfspec.training.distributed import Dist, all_reduce_sum
@@ -235,9 +237,6 @@ class AdapterTask:
     def save_final(self, path: Path, final_dir: Path, metrics: dict) -> None:
         """`path` is the temporary directory that becomes `final_dir`: the profile names the
         adapter at its final location."""
-        from selfspec.config import DraftConfig
-        from selfspec.profiles import Profile, save_profile
-
         self.save_weights(path)
         a = self.cfg.adapter
         draft = DraftConfig(strategy="exit-adapter", exit_layer=self.E, num_speculations=a.num_speculations, draft_threshold=a.draft_threshold,

@@ -15,10 +15,13 @@ import sys
 import types
 import typing
 from dataclasses import MISSING, fields
+from pathlib import Path
 
-from selfspec.cli import choice, with_default
+from selfspec.cli_args import choice, with_default
 from selfspec.errors import SelfSpecError
+from selfspec.training import checkpoint as ckpt
 from selfspec.training.config import AdapterConfig, DataConfig, LayerSkipConfig, LoopConfig, ModelConfig, TrainConfig
+from selfspec.training.trainer import train
 
 GROUPS = {"data": DataConfig, "model": ModelConfig, "layerskip": LayerSkipConfig, "adapter": AdapterConfig, "loop": LoopConfig}
 _TITLES = {"data": "data", "model": "model", "layerskip": "layerskip recipe", "adapter": "exit-adapter recipe", "loop": "optimisation and budgets"}
@@ -74,10 +77,6 @@ def config_from_args(args) -> TrainConfig:
             if isinstance(v, list):
                 g[k] = tuple(v)
     if args.resume:
-        from pathlib import Path
-
-        from selfspec.training import checkpoint as ckpt
-
         if args.out is None:
             raise SelfSpecError("--resume needs --out DIR, the run to continue")
         latest = ckpt.latest_checkpoint(Path(args.out).expanduser())
@@ -92,8 +91,6 @@ def config_from_args(args) -> TrainConfig:
 
 
 def cmd_train(args) -> int:
-    from selfspec.training.trainer import train
-
     cfg = config_from_args(args)
     result = train(cfg)
     if result.loop.stopped_by == "interrupt":

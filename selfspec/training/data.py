@@ -7,7 +7,7 @@ Sources (`--data`, several allowed):
   hf:NAME[:config]:split   a Hugging Face data set through `datasets` (local cache or hub)
   stdlib       offline: the Python standard library's source (tests and codec tables left
                out), the language reference in `pydoc_data.topics`, and license texts found
-               on this machine (see selfspec.tools.datasets.license_files)
+               on this machine (see selfspec.tools.builtin_sets.license_files)
 
 Held-out documents are chosen by a hash of their name, so the split does not depend on
 which other documents exist; when that leaves nothing (a single file), the last
@@ -31,8 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from selfspec.errors import SelfSpecError
+from selfspec.tools.builtin_sets import license_files, topics
+from selfspec.tools.datasets import parse_hf_spec
 from selfspec.training.config import DataConfig
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
@@ -81,13 +85,7 @@ def stdlib_documents() -> list[Document]:
         t = _read_text(p, strict=False)
         if t and t.strip():
             docs.append(Document(f"stdlib:{p.relative_to(root).as_posix()}", t))
-    try:
-        from pydoc_data.topics import topics
-
-        docs += [Document(f"pydoc:{k}", topics[k]) for k in sorted(topics) if topics[k].strip()]
-    except ImportError:
-        pass
-    from selfspec.tools.datasets import license_files
+    docs += [Document(f"pydoc:{k}", topics[k]) for k in sorted(topics) if topics[k].strip()]
 
     docs += [Document(f"license:{where}:{hashlib.sha256(text.encode()).hexdigest()[:8]}", text) for where, text in license_files()]
     return docs
@@ -121,11 +119,9 @@ def _row_document(row, doc_id: str, cfg: DataConfig, where: str) -> Document | N
 
 
 def _hf_documents(spec: str, cfg: DataConfig) -> list[Document]:
-    from selfspec.tools.datasets import parse_hf_spec
-
     name, config, split = parse_hf_spec(spec)
     try:
-        import datasets
+        import datasets  # optional (the datasets extra): only hf: training data needs it
     except ImportError as e:
         raise SelfSpecError("hf: data needs the `datasets` package (pip install 'selfspec[datasets]')") from e
     try:
@@ -188,8 +184,6 @@ def train_bpe_tokenizer(docs: list[Document], vocab_size: int):
     """A byte-level BPE tokenizer learnt from (up to TOKENIZER_TRAIN_BYTES of) `docs`, as a
     transformers fast tokenizer. `<|endoftext|>` (id 0) is BOS and EOS: it is put in front
     of every encoded text, and a model trained on it ends documents with it."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
     def texts():
         n = 0
         for d in docs:
@@ -211,15 +205,10 @@ def train_bpe_tokenizer(docs: list[Document], vocab_size: int):
 
 def bpe_tokenizer_from_json(spec: str):
     """The transformers wrapper of a tokenizer made by train_bpe_tokenizer (its JSON form)."""
-    from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
-
     return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(spec), bos_token=EOT, eos_token=EOT)
 
 
 def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
     local = Path(path).expanduser()
     if not local.is_dir():  # never a hub id: nothing may download at run time
         raise SelfSpecError(f"tokenizer directory not found: {path}")

@@ -28,11 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from selfspec.errors import SelfSpecError
 from selfspec.profiles import atomic_write_text
-from selfspec.training import checkpoint as ckpt
-from selfspec.training import plots
+from selfspec.training import checkpoint as ckpt, plots
 from selfspec.training.config import TrainConfig
 from selfspec.training.data import sequence_order
 from selfspec.training.distributed import Dist, all_reduce_sum, any_rank, barrier, sum_gradients
@@ -104,9 +105,6 @@ class _Progress:
     def __init__(self, enabled: bool, total: int, done: int, description: str):
         self.p = None
         if enabled:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
             self.p = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                               TimeRemainingColumn(), TextColumn("{task.fields[status]}"), console=_console())
             self.task = self.p.add_task(description, total=total, completed=done, status="")
@@ -128,8 +126,6 @@ class _Progress:
 
 
 def _console():
-    from rich.console import Console
-
     c = Console(stderr=True)
     return c if c.is_terminal else Console(stderr=True, width=160)  # a log file: room for the status
 
@@ -138,6 +134,52 @@ def _autocast(loop, device: str):
     if not loop.bf16:
         return nullcontext()
     return torch.autocast(device_type="cuda" if device.startswith("cuda") else "cpu", dtype=torch.bfloat16)
+
+
+def _resume(task, loop, optimizer, resume_state: dict | None):
+    """(step, tokens, train_s, curriculum horizon, lr replan, change note) to start from, the
+    optimizer and RNG restored from resume_state. The curricula (layer dropout, exits) keep
+    the run's first --max-steps; the learning rate may be re-planned when a resume changes it."""
+    if resume_state is None:
+        return 0, 0, 0.0, loop.max_steps, None, None
+    optimizer.load_state_dict(resume_state["optimizer"])
+    step, tokens, train_s = resume_state["step"], resume_state["tokens"], resume_state["train_seconds"]
+    ckpt.set_rng_state(resume_state["rng"])
+    saved = resume_state.get("schedule") or {}
+    old_total = resume_state["config"]["loop"]["max_steps"]
+    horizon = saved.get("curriculum_steps", old_total)
+    replan = tuple(saved["lr_replan"]) if saved.get("lr_replan") else None
+    replan, change = replan_on_resume(step, loop.lr, loop.warmup_steps, loop.min_lr_ratio, old_total, loop.max_steps, replan)
+    if change and hasattr(task, "curriculum_steps"):
+        change += f"; the layer-dropout and exit curricula keep their horizon (step {horizon})"
+    return step, tokens, train_s, horizon, replan, change
+
+
+def _optimizer_step(task, optimizer, d, loop, step: int, lr: float, n_seq: int) -> tuple[dict[str, float], float]:
+    """One optimisation step at learning rate lr: grad_accum micro-batches of this process's
+    shard, gradients summed over processes, clipped, applied. -> (metric sums over all
+    processes, gradient norm)."""
+    B, A = loop.batch_size, loop.grad_accum
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    indices = sequence_order(n_seq, loop.seed, step * B * A, B * A)
+    task.begin_step(step, indices)
+    start, end = d.shard(B)
+    sums: dict[str, torch.Tensor] = {}
+    for micro in range(A):
+        rows = indices[micro * B : (micro + 1) * B][start:end]
+        with _autocast(loop, d.device):
+            loss, m = task.micro_loss(step, micro, rows, start, B)
+        loss.backward()
+        for k, v in m.items():
+            sums[k] = sums.get(k, 0.0) + v.float()
+    sum_gradients(d, task.params)
+    keys = sorted(sums)
+    reduced = all_reduce_sum(d, torch.stack([sums[k] for k in keys]).to(d.device)).tolist() if keys else []
+    norm = torch.nn.utils.clip_grad_norm_(task.params, loop.grad_clip if loop.grad_clip > 0 else math.inf)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return dict(zip(keys, reduced)), float(norm)
 
 
 def run_loop(
@@ -155,21 +197,7 @@ def run_loop(
     if B % d.world:
         raise SelfSpecError(f"--batch-size {B} must be a multiple of the number of processes ({d.world})")
     optimizer = torch.optim.AdamW(task.param_groups(loop.weight_decay), lr=loop.lr, betas=(0.9, loop.adam_beta2), eps=1e-8)
-    step, tokens, train_s = 0, 0, 0.0
-    # The schedules' horizons: the curricula (layer dropout, exits) keep the run's first
-    # --max-steps, the learning rate may be re-planned when a resume changes it.
-    horizon, replan, change = loop.max_steps, None, None
-    if resume_state is not None:
-        optimizer.load_state_dict(resume_state["optimizer"])
-        step, tokens, train_s = resume_state["step"], resume_state["tokens"], resume_state["train_seconds"]
-        ckpt.set_rng_state(resume_state["rng"])
-        saved = resume_state.get("schedule") or {}
-        old_total = resume_state["config"]["loop"]["max_steps"]
-        horizon = saved.get("curriculum_steps", old_total)
-        replan = tuple(saved["lr_replan"]) if saved.get("lr_replan") else None
-        replan, change = replan_on_resume(step, loop.lr, loop.warmup_steps, loop.min_lr_ratio, old_total, loop.max_steps, replan)
-        if change and hasattr(task, "curriculum_steps"):
-            change += f"; the layer-dropout and exit curricula keep their horizon (step {horizon})"
+    step, tokens, train_s, horizon, replan, change = _resume(task, loop, optimizer, resume_state)
     if hasattr(task, "curriculum_steps"):
         task.curriculum_steps = horizon
     metrics = MetricsLog(out / METRICS, step, d.is_main)
@@ -206,31 +234,12 @@ def run_loop(
             while step < loop.max_steps:
                 t0 = time.perf_counter()
                 lr = lr_at(step, loop.lr, loop.warmup_steps, loop.max_steps, loop.min_lr_ratio, replan)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                indices = sequence_order(n_seq, loop.seed, step * B * A, B * A)
-                task.begin_step(step, indices)
-                start, end = d.shard(B)
-                sums: dict[str, torch.Tensor] = {}
-                for micro in range(A):
-                    rows = indices[micro * B : (micro + 1) * B][start:end]
-                    with _autocast(loop, d.device):
-                        loss, m = task.micro_loss(step, micro, rows, start, B)
-                    loss.backward()
-                    for k, v in m.items():
-                        sums[k] = sums.get(k, 0.0) + v.float()
-                sum_gradients(d, task.params)
-                keys = sorted(sums)
-                reduced = all_reduce_sum(d, torch.stack([sums[k] for k in keys]).to(d.device)).tolist() if keys else []
-                norm = torch.nn.utils.clip_grad_norm_(task.params, loop.grad_clip if loop.grad_clip > 0 else math.inf)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                sums, norm = _optimizer_step(task, optimizer, d, loop, step, lr, n_seq)
                 step += 1
                 tokens += B * A * T
                 dt = time.perf_counter() - t0
                 train_s += dt
-                rec = {"step": step, "lr": lr, **dict(zip(keys, reduced)), "grad_norm": float(norm), "tokens": tokens,
-                       "tokens_per_second": B * A * T / dt}
+                rec = {"step": step, "lr": lr, **sums, "grad_norm": norm, "tokens": tokens, "tokens_per_second": B * A * T / dt}
                 metrics.write(rec)
                 if on_step is not None:
                     on_step(step, rec)

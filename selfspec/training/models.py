@@ -14,9 +14,12 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
-from selfspec.architectures import ModelSpec
+from selfspec.architectures import ModelSpec, strip_prefix
 from selfspec.errors import SelfSpecError
+from selfspec.loading import load_source, resolve_tokenizer
 
 # name -> LlamaConfig fields (vocab_size, eos/bos and max_position_embeddings are added).
 PRESETS: dict[str, dict] = {
@@ -32,8 +35,6 @@ ATTENTION = "sdpa"  # training attention kernel: fused causal attention when no 
 
 
 def preset_config(name: str, tokenizer):
-    from transformers import LlamaConfig
-
     if name not in PRESETS:
         raise SelfSpecError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
     eos = tokenizer.eos_token_id
@@ -53,8 +54,6 @@ def preset_config(name: str, tokenizer):
 
 
 def file_config(path: str, tokenizer):
-    from transformers import AutoConfig
-
     p = Path(path).expanduser()
     try:
         d = json.loads(p.read_text())
@@ -73,8 +72,6 @@ def file_config(path: str, tokenizer):
 
 def new_model(config, seed: int) -> torch.nn.Module:
     """A freshly initialised causal LM (fp32) for `config` (copied, never modified)."""
-    from transformers import AutoModelForCausalLM
-
     config = copy.deepcopy(config)
     config._attn_implementation = ATTENTION
     torch.manual_seed(seed)
@@ -83,9 +80,7 @@ def new_model(config, seed: int) -> torch.nn.Module:
 
 def load_weights(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], where: str) -> None:
     """Copy weights in; the only key allowed to be missing is a tied LM head."""
-    from selfspec.architectures import _strip_prefix
-
-    sd = _strip_prefix(state_dict)
+    sd = strip_prefix(state_dict)
     if getattr(model.config, "tie_word_embeddings", False):
         sd.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(sd, strict=False)
@@ -98,8 +93,6 @@ def load_weights(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], wh
 def load_pretrained(source: str):
     """A HF directory or a built-in alias -> (model, tokenizer, name). Weights come through
     selfspec.loading (the same converted cache `selfspec.load` uses)."""
-    from selfspec.loading import load_source, resolve_tokenizer
-
     sd, config, tok, name = load_source(source)
     tok = resolve_tokenizer(tok)
     if tok is None:
@@ -115,8 +108,6 @@ def load_pretrained(source: str):
 def save_model_dir(model: torch.nn.Module, tokenizer, target: Path) -> None:
     """config.json + model.safetensors (+ generation_config.json) + tokenizer files into
     `target` (an existing, empty directory: callers build it under a temporary name)."""
-    from safetensors.torch import save_file
-
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
     save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
@@ -128,8 +119,6 @@ def save_model_dir(model: torch.nn.Module, tokenizer, target: Path) -> None:
 
 
 def read_model_weights(ckpt: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     try:
         sd: dict[str, torch.Tensor] = {}
         for f in sorted(ckpt.glob("*.safetensors")):

@@ -9,10 +9,11 @@ from selfspec.profiles import atomic_write_bytes
 
 
 def _figure(ncols: int, width: float = 6.0):
+    # matplotlib only where a plot is drawn; the Agg backend must be chosen before pyplot loads
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"), see above
 
     fig, axes = plt.subplots(1, ncols, figsize=(width * ncols, 4.2), squeeze=False)
     return plt, fig, axes[0]

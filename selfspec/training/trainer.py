@@ -19,13 +19,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig
 
+import selfspec
 from selfspec.errors import SelfSpecError
 from selfspec.profiles import atomic_write_text
 from selfspec.training import checkpoint as ckpt
 from selfspec.training import data as data_mod
 from selfspec.training import distributed, models
+from selfspec.training.adapter_train import AdapterTask, check_model
 from selfspec.training.config import RESUMABLE_CHANGES, TrainConfig
+from selfspec.training.layerskip import LayerSkipTask
 from selfspec.training.loop import LoopResult, run_loop
 
 TRAINING_JSON = "training.json"
@@ -75,8 +79,6 @@ def _check_seq_len(cfg: TrainConfig, context: int | None) -> None:
 
 def _build_lm(cfg: TrainConfig, docs, resume_from: Path | None, log, dist_info, tokenizer=None):
     """(model, tokenizer) for the layerskip / lm recipes; a given tokenizer is used as is."""
-    from transformers import AutoConfig
-
     mc = cfg.model
     if resume_from is not None:
         tokenizer = data_mod.load_tokenizer(str(resume_from))
@@ -124,16 +126,7 @@ def train(
         out = Path(cfg.out).expanduser()
 
         # 1. the output directory: writable, and an earlier run is only ever resumed
-        ckpt.check_output_dir(out, cfg.resume)
-        distributed.barrier(d)
-        resume_from, state = None, None
-        if cfg.resume:
-            resume_from = ckpt.latest_checkpoint(out)
-            state = ckpt.read_trainer_state(resume_from)
-            check_resumable(TrainConfig.from_dict(state["config"]), cfg)
-            if state.get("world", 1) != d.world:
-                say(f"note: resuming a {state.get('world', 1)}-process run with {d.world} processes (same global batch)")
-            say(f"resuming from {resume_from} (step {state['step']})")
+        resume_from, state = _output_dir(cfg, out, d, say)
         _check_seq_len(cfg, _context_of(cfg))
 
         # 2. the text, 3. tokenizer + model, 4. the task
@@ -142,19 +135,7 @@ def train(
         if cfg.recipe == "exit-adapter":
             task, tokenizer, name = _adapter_task(cfg, docs, corpus, d, resume_from, say)
         else:
-            if corpus is not None and tokenizer is None:
-                raise SelfSpecError("pass the tokenizer the corpus was made with")
-            model, tokenizer = _build_lm(cfg, docs, resume_from, say, d, tokenizer)
-            _check_seq_len(cfg, model.config.max_position_embeddings)
-            model.to(d.device)
-            distributed.broadcast_parameters(d, model.parameters())
-            if corpus is None:
-                corpus = data_mod.build_corpus(docs, tokenizer, cfg.data)
-            from selfspec.training.layerskip import LayerSkipTask
-
-            task = LayerSkipTask(cfg, model, tokenizer, corpus, d)
-            total, body = models.count_parameters(model)
-            name = f"{model.config.model_type}, {task.L} layers, {total / 1e6:.1f}M parameters ({body / 1e6:.1f}M outside the embeddings)"
+            task, tokenizer, name = _lm_task(cfg, docs, corpus, tokenizer, d, resume_from, say)
         say(f"data: {task.corpus.describe()} (prepared in {time.perf_counter() - t:.1f} s)")
         say(f"model: {name}; recipe {cfg.recipe}; {d.world} process(es) on {d.device}")
 
@@ -191,10 +172,39 @@ def train(
         distributed.shutdown(d)
 
 
-def _adapter_task(cfg: TrainConfig, docs, corpus, d, resume_from: Path | None, say):
-    import selfspec
-    from selfspec.training.adapter_train import AdapterTask, check_model
+def _output_dir(cfg: TrainConfig, out: Path, d, say) -> tuple[Path | None, dict | None]:
+    """Check the output directory (writable; an earlier run is only ever resumed) ->
+    (the checkpoint to resume from, its trainer state), or (None, None) for a new run."""
+    ckpt.check_output_dir(out, cfg.resume)
+    distributed.barrier(d)
+    if not cfg.resume:
+        return None, None
+    resume_from = ckpt.latest_checkpoint(out)
+    state = ckpt.read_trainer_state(resume_from)
+    check_resumable(TrainConfig.from_dict(state["config"]), cfg)
+    if state.get("world", 1) != d.world:
+        say(f"note: resuming a {state.get('world', 1)}-process run with {d.world} processes (same global batch)")
+    say(f"resuming from {resume_from} (step {state['step']})")
+    return resume_from, state
 
+
+def _lm_task(cfg: TrainConfig, docs, corpus, tokenizer, d, resume_from: Path | None, say):
+    """The layerskip / lm recipes' task -> (task, tokenizer, a one-line description of the model)."""
+    if corpus is not None and tokenizer is None:
+        raise SelfSpecError("pass the tokenizer the corpus was made with")
+    model, tokenizer = _build_lm(cfg, docs, resume_from, say, d, tokenizer)
+    _check_seq_len(cfg, model.config.max_position_embeddings)
+    model.to(d.device)
+    distributed.broadcast_parameters(d, model.parameters())
+    if corpus is None:
+        corpus = data_mod.build_corpus(docs, tokenizer, cfg.data)
+    task = LayerSkipTask(cfg, model, tokenizer, corpus, d)
+    total, body = models.count_parameters(model)
+    name = f"{model.config.model_type}, {task.L} layers, {total / 1e6:.1f}M parameters ({body / 1e6:.1f}M outside the embeddings)"
+    return task, tokenizer, name
+
+
+def _adapter_task(cfg: TrainConfig, docs, corpus, d, resume_from: Path | None, say):
     m = selfspec.load(cfg.model.model, dtype="float32", device=d.device)
     check_model(cfg, m)
     if corpus is None:

@@ -1,0 +1,164 @@
+"""What every command's parser shares: one-line usage errors, choices that suggest the closest
+value, flags generated from the config dataclasses (DraftConfig, SamplingConfig,
+GenerationConfig) so defaults live in one place, the model options, and the checks made
+before the weights load."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+import typing
+from dataclasses import MISSING, fields
+
+from selfspec.chat_templates import names, resolve
+from selfspec.config import STRATEGIES, DraftConfig
+from selfspec.errors import unknown_choice
+from selfspec.loading import peek_shape
+from selfspec.model import load, merge_profile_draft
+from selfspec.profiles import load_profile, losing_note
+
+_HELP = {
+    "strategy": "how to draft: " + ", ".join(STRATEGIES),
+    "exit_layer": "early-exit: draft with layers 0..E-1 (quantized: the copy's first E layers)",
+    "num_speculations": "K, the most tokens drafted per verify step",
+    "skip_attn": "layer-skip/quantized: attention sub-layers to skip while drafting, e.g. 3,5,7",
+    "skip_mlp": "layer-skip/quantized: MLP sub-layers to skip while drafting, e.g. 4,9",
+    "draft_threshold": "stop drafting when the draft's top-1 probability is below this",
+    "adaptive": "adapt the draft threshold from observed acceptance (Draft & Verify)",
+    "draft_model": "draft-model: path or alias of a smaller model with the same tokenizer",
+    "draft_vocab": "draft over the N most frequent tokens only (verification uses all)",
+    "max_ngram": "prompt-lookup: longest n-gram to match",
+    "adapter": "exit-adapter: the trained adapter file (selfspec train --recipe exit-adapter)",
+    "lookup_first": "early-exit/layer-skip/exit-adapter/quantized: use a prompt-lookup match when there is one",
+    "draft_bits": "quantized: bits of the model's own weights the draft uses, 8 (default) or 4",
+    "head_bits": "quantized: bits of the draft's LM head (default: --draft-bits)",
+    "temperature": "0 = greedy; > 0 samples",
+    "top_k": "sample from the k most likely tokens",
+    "top_p": "nucleus sampling mass",
+    "seed": "random seed for sampling",
+    "max_new_tokens": "the most tokens to generate",
+    "stop": "stop string (repeatable)",
+    "chat": "wrap the prompt as a user turn of the chat template (the tokenizer's, --chat-template, or the built-in "
+            "one of the model's family)",
+}
+
+
+class Parser(argparse.ArgumentParser):
+    """Usage mistakes are one line and exit status 2, like every other bad input (the full
+    usage is one --help away)."""
+
+    def error(self, message: str):
+        self.exit(2, f"selfspec: error: {message} (see: {self.prog} --help)\n")
+
+
+def choice(choices: typing.Sequence[str], what: str):
+    """An argparse type for a value among `choices` whose error names the closest one
+    (argparse's own `choices` prints every option, and on a mistyped one no suggestion)."""
+    def check(value: str) -> str:
+        if value not in choices:
+            raise argparse.ArgumentTypeError(unknown_choice(what, value, choices))
+        return value
+
+    check.__name__ = what
+    return check
+
+
+def format_default(value) -> str | None:
+    """A default as a user would type it ("3,5", "early-exit"); None when there is nothing to show."""
+    if value is None or value is MISSING or isinstance(value, bool):
+        return None
+    if isinstance(value, (tuple, list)):
+        return ",".join(map(str, value)) if value else None
+    return str(value)
+
+
+def with_default(help_: str, default) -> str:
+    shown = format_default(default)
+    if shown is None or "default" in help_:  # a help text may describe its default itself
+        return help_
+    return f"{help_} (default: {shown})".strip()
+
+
+def _flag_type(tp):
+    """int | None -> int; tuple[int, ...] -> str (parsed by the dataclass)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _flag_type(args[0])
+    if origin is tuple:
+        return str
+    return tp
+
+
+def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (), helps: dict | None = None) -> None:
+    hints = typing.get_type_hints(cls)
+    helps = {**_HELP, **(helps or {})}
+    for f in fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        tp = _flag_type(hints[f.name])
+        default = None  # None = "not given": the dataclass (or a profile) supplies the default
+        help_ = with_default(helps.get(f.name, ""), f.default)
+        if tp is bool:
+            parser.add_argument(flag, action="store_true", default=None, help=helps.get(f.name))
+        elif f.name == "stop":
+            parser.add_argument(flag, action="append", default=None, help=help_)
+        elif f.name == "strategy":
+            parser.add_argument(flag, type=choice(STRATEGIES, "strategy"), default=default, help=help_)
+        else:
+            parser.add_argument(flag, type=tp, default=default, help=help_)
+
+
+def config_kwargs(args, cls) -> dict:
+    return {f.name: getattr(args, f.name) for f in fields(cls) if getattr(args, f.name, None) is not None}
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="gemma-3-270m", help="alias, HF model directory, or .gguf file (default: gemma-3-270m)")
+    p.add_argument("--dtype", type=choice(("float32", "bfloat16"), "dtype"), default=None,
+                   help="float32 or bfloat16 (default: bfloat16 where supported)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+
+
+def add_chat_template_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat-template", default=None, metavar="FILE|NAME",
+                   help="the chat template: a Jinja file or a built-in name (" + ", ".join(names()) + "); default: the "
+                        "tokenizer's own, else the built-in one of the model's family")
+
+
+def add_draft_args(p: argparse.ArgumentParser) -> None:
+    add_config_args(p, DraftConfig, skip=("base",))  # auto's base comes from a profile
+    p.add_argument("--profile", default=None, help="a draft profile JSON (from search/sweep/train)")
+
+
+def load_model(args):
+    return load(args.model, dtype=args.dtype, device=args.device, chat_template=getattr(args, "chat_template", None))
+
+
+def check_before_loading(args) -> None:
+    """What can be checked without the weights, checked before they load (a minute the first
+    time): the chat template, the draft options, and that they fit the model's shape, which
+    comes from its config."""
+    if getattr(args, "chat_template", None) is not None:
+        resolve(args.chat_template)
+    if not hasattr(args, "profile"):
+        return
+    given = config_kwargs(args, DraftConfig)
+    if args.profile is None:
+        draft = DraftConfig.from_dict(given)
+    else:
+        draft = merge_profile_draft(load_profile(args.profile).draft, given.pop("strategy", None), given)
+    shape = peek_shape(args.model)
+    if shape is not None:
+        draft.check_model(*shape)
+
+
+def draft_config_from_args(model, args) -> DraftConfig:
+    draft = model.draft_config(profile=args.profile, **config_kwargs(args, DraftConfig))
+    if args.profile is not None:
+        note = losing_note(load_profile(args.profile))
+        if note:
+            print(f"selfspec: warning: {note}", file=sys.stderr)
+    return draft
