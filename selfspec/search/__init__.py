@@ -36,7 +36,7 @@ from __future__ import annotations
 from selfspec.search.objective import Calibration, Sequence, measure, predict
 from selfspec.search.plots import plot_history
 from selfspec.search.space import (DRAFT_VOCABS, MAX_K, OBJECTIVES, STRATEGIES, SearchConfig, calibration_prompts,
-                                   cost_parts, suggest)
+                                   cost_parts, seed_trials, suggest)
 from selfspec.search.study import (SearchResult, _optuna, best_of, default_storage, json_safe, open_study, run_worker,
                                    summary, trial_rows)
 

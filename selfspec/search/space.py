@@ -97,11 +97,30 @@ def _quantized(trial, num_layers: int, common: dict) -> DraftConfig:
     trades a little agreement for cheaper drafts, not the other way round."""
     bits = trial.suggest_categorical("draft_bits", list(DRAFT_BITS))
     head_bits = trial.suggest_categorical("head_bits", list(DRAFT_BITS))
-    depth = trial.suggest_int("quant_depth", max(1, num_layers // 2), num_layers)
-    attn = _top_n(trial, "quant_attn", depth, trial.suggest_int("quant_skip_attn_n", 0, depth // 4))
-    mlp = _top_n(trial, "quant_mlp", depth, trial.suggest_int("quant_skip_mlp_n", 0, depth // 4))
+    depth = num_layers
+    if trial.suggest_categorical("quant_shape", ["full", "cut"]) == "cut":  # the full copy: half the draws
+        depth = trial.suggest_int("quant_depth", max(1, num_layers // 2), num_layers - 1)
+        attn = _top_n(trial, "quant_attn", depth, trial.suggest_int("quant_skip_attn_n", 0, depth // 4))
+        mlp = _top_n(trial, "quant_mlp", depth, trial.suggest_int("quant_skip_mlp_n", 0, depth // 4))
+    else:
+        attn = mlp = ()
     return DraftConfig("quantized", draft_bits=bits, head_bits=head_bits, exit_layer=None if depth == num_layers else depth,
                        skip_attn=attn, skip_mlp=mlp, **common)
+
+
+def seed_trials(cfg: SearchConfig, vocab_size: int) -> list[dict]:
+    """Parameters of the trials a new study starts with, one sensible draft per strategy, so
+    TPE does not have to find a family's obvious setting by chance (a quantized copy at full
+    depth over a restricted head; prompt lookup at K=3)."""
+    vocab = next((str(v) for v in sorted(cfg.draft_vocabs) if v >= 16384 and v < vocab_size), "full")
+    common = {"draft_vocab": vocab, "num_speculations": 5, "lookup_first": False}
+    if cfg.thresholds:
+        common["draft_length"] = "fixed"
+    seeds = {
+        "quantized": {**common, "draft_bits": 8, "head_bits": 8, "quant_shape": "full"},
+        "prompt-lookup": {"lookup_k": 3, "max_ngram": 3},
+    }
+    return [{"strategy": s, **seeds[s]} for s in cfg.strategies if s in seeds]
 
 
 def _top_n(trial, kind: str, num_layers: int, n: int) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ from selfspec.config import DraftConfig
 from selfspec.errors import SelfSpecError
 from selfspec.predictor.costs import CostModel
 from selfspec.search.objective import Calibration, measure, predict
-from selfspec.search.space import SearchConfig, suggest
+from selfspec.search.space import SearchConfig, seed_trials, suggest
 
 
 def _optuna():
@@ -100,6 +100,9 @@ def run_worker(model, cfg: SearchConfig, storage: str, study_name: str, cal: Cal
             break
         time.sleep(0.2)
     done = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    if worker == 0 and not study.get_trials(deepcopy=False):
+        for params in seed_trials(cfg, V):
+            study.enqueue_trial(params)
     remaining = cfg.n_trials - len(study.get_trials(deepcopy=False, states=done))
     if remaining > 0:
         study.optimize(objective, callbacks=[optuna.study.MaxTrialsCallback(cfg.n_trials, states=done)],
