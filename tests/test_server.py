@@ -206,7 +206,9 @@ def test_completion_greedy_matches_direct_generation(server, client, model):
         assert r.usage.prompt_tokens == ref.prompt_tokens and r.usage.completion_tokens == len(ref.token_ids)
         stats = r.model_extra["selfspec"]
         assert stats["strategy"] == "early-exit" and stats["new_tokens"] == len(ref.token_ids)
-        assert stats["drafted"] == ref.stats.drafted and stats["accepted"] == ref.stats.accepted
+        # greedy draft lengths are the batch planner's (selfspec.batch): the text equals solo
+        # decoding, the draft counts need not
+        assert 0 <= stats["accepted"] <= stats["drafted"] and stats["verify_steps"] >= 1
         for k in ("acceptance_rate", "mean_accepted_length", "verify_steps", "time_to_first_token_s", "queue_time_s"):
             assert k in stats
 
@@ -258,7 +260,7 @@ def test_streaming_equals_non_streaming(client, model):
         assert finals == ["length" if ref.finish_reason == "length" else "stop"]
         last = chunks[-1]
         assert last.choices == [] and last.usage.completion_tokens == len(ref.token_ids)
-        assert last.model_extra["selfspec"]["accepted"] == ref.stats.accepted
+        assert last.model_extra["selfspec"]["new_tokens"] == len(ref.token_ids)  # draft counts: the batch planner's
         assert all(c.usage is None for c in chunks[:-1])
 
         ref = direct(model, prompt, chat=True)
