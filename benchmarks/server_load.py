@@ -15,6 +15,16 @@ What it does:
      and checks that every response equals its direct-generation counterpart.
 Everything stops by itself: --time-limit bounds the whole run, each request has a timeout.
 Exit status 1 when any request failed or any output differed.
+
+Sweep mode (issue 17: the batching server), with the `openai` client over loopback:
+
+    python benchmarks/server_load.py --sweep                       # gemma-3-270m bf16, greedy, 128 new tokens
+    python benchmarks/server_load.py --sweep --clients-list 1,4,8,16 --strategies autoregressive,default
+
+For every strategy (`default`: the server's own, no `selfspec` field; any other name is sent
+per request) and every client count N: N clients each stream --rounds requests at once;
+reports aggregate tokens/s, p50 time to first token, the longest gap between two chunks any
+client saw (a stall), and whether every output equals solo greedy decoding (computed here).
 """
 
 from __future__ import annotations
@@ -125,6 +135,58 @@ def direct_one(model, prompt: str, max_tokens: int, draft) -> dict:
     return {"text": res.text, "ttft": (first[0] - t0) if first else total, "total": total, "tokens": len(res.token_ids)}
 
 
+async def openai_stream(client, model_name: str, prompt: str, max_tokens: int, extra: dict | None) -> dict:
+    """One streamed completion through the openai client -> text, ttft, longest gap, tokens."""
+    t0 = time.perf_counter()
+    ttft, last, gap, parts, tokens = None, None, 0.0, [], 0
+    stream = await client.completions.create(model=model_name, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+                                             stream_options={"include_usage": True}, extra_body={"selfspec": extra} if extra else None)
+    async for chunk in stream:
+        if chunk.usage:
+            tokens = chunk.usage.completion_tokens
+        if chunk.choices and chunk.choices[0].text:
+            now = time.perf_counter()
+            if ttft is None:
+                ttft = now - t0
+            else:
+                gap = max(gap, now - last)
+            last = now
+            parts.append(chunk.choices[0].text)
+    total = time.perf_counter() - t0
+    return {"text": "".join(parts), "ttft": total if ttft is None else ttft, "gap": gap, "total": total, "tokens": tokens}
+
+
+async def sweep(args, url: str, model_name: str, refs: dict[str, str]) -> list[dict]:
+    """Every strategy x client count (module doc, sweep mode)."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=args.request_timeout)
+    rows = []
+    for strategy in args.strategies.split(","):
+        extra = None if strategy == "default" else {"strategy": strategy}
+        await openai_stream(client, model_name, PROMPTS[0], 8, extra)  # warm-up of this strategy
+        for n in [int(c) for c in args.clients_list.split(",")]:
+            prompts = [PROMPTS[(i * args.rounds + r) % len(PROMPTS)] for i in range(n) for r in range(args.rounds)]
+
+            async def one_client(i):
+                return [await openai_stream(client, model_name, prompts[i * args.rounds + r], args.max_tokens, extra)
+                        for r in range(args.rounds)]
+
+            t0 = time.perf_counter()
+            results = [x for xs in await asyncio.gather(*(one_client(i) for i in range(n))) for x in xs]
+            wall = time.perf_counter() - t0
+            row = {"strategy": strategy, "clients": n, "requests": len(results), "wall_s": wall,
+                   "tok_s": sum(r["tokens"] for r in results) / wall, "ttft_p50_s": pct([r["ttft"] for r in results], 0.5),
+                   "longest_stall_s": max(r["gap"] for r in results),
+                   "identical": sum(r["text"] == refs[p] for r, p in zip(results, prompts))}
+            rows.append(row)
+            print(f"  {strategy:>14} {n:>3} clients: {row['tok_s']:7.1f} tok/s, TTFT p50 {row['ttft_p50_s'] * 1000:6.0f} ms, "
+                  f"longest stall {row['longest_stall_s'] * 1000:6.0f} ms, identical {row['identical']}/{len(results)}",
+                  file=sys.stderr, flush=True)
+    await client.close()
+    return rows
+
+
 async def run(args) -> dict:
     import httpx
     import torch
@@ -148,6 +210,11 @@ async def run(args) -> dict:
     cmd = [sys.executable, "-m", "selfspec", "serve", "--model", model_src, "--host", HOST, "--port", str(port),
            "--max-concurrency", str(max(args.clients * 2, 4)), "--max-new-tokens-limit", str(max(args.max_tokens, 16)),
            "--queue-timeout", str(args.request_timeout), "--log-level", "warning"]
+    if args.sweep:
+        most = max(int(c) for c in args.clients_list.split(","))
+        cmd[cmd.index("--max-concurrency") + 1] = str(max(most * 2, 4))
+    if args.max_batch:
+        cmd += ["--max-batch", str(args.max_batch)]
     for flag in ("dtype", "device", "profile", "threads"):
         if getattr(args, flag) is not None:
             cmd += [f"--{flag}", str(getattr(args, flag))]
@@ -172,6 +239,11 @@ async def run(args) -> dict:
                 await asyncio.sleep(0.25)
             model_name = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
             prompts = PROMPTS[: args.prompts]
+            if args.sweep:
+                ar = model.draft_config("autoregressive")
+                refs = {p: direct_one(model, p, args.max_tokens, ar)["text"] for p in PROMPTS}  # solo greedy
+                report["sweep"] = await sweep(args, url, model_name, refs)
+                return report
 
             def body(p):
                 return {"model": model_name, "prompt": p, "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
@@ -267,12 +339,24 @@ def main(argv=None) -> int:
     ap.add_argument("--request-timeout", type=float, default=120.0, help="seconds per request (default 120)")
     ap.add_argument("--time-limit", type=float, default=900.0, help="seconds for the whole run (default 900)")
     ap.add_argument("--json", default=None, help="also write the report to this file")
+    ap.add_argument("--sweep", action="store_true", help="sweep mode (module doc): strategies x client counts, openai client; "
+                    "defaults: gemma-3-270m, bfloat16, 128 new tokens")
+    ap.add_argument("--clients-list", default="1,4,8,16", help="sweep: client counts (default %(default)s)")
+    ap.add_argument("--strategies", default="autoregressive,default", help="sweep: strategies; default = the server's (default %(default)s)")
+    ap.add_argument("--rounds", type=int, default=1, help="sweep: requests per client (default %(default)s)")
+    ap.add_argument("--max-batch", type=int, default=None, help="the server's --max-batch (default: its own)")
     args = ap.parse_args(argv)
     if not (1 <= args.clients <= 64 and 1 <= args.requests <= 1000 and 1 <= args.prompts <= len(PROMPTS)):
         ap.error("--clients must be in 1..64, --requests in 1..1000, --prompts in 1..%d" % len(PROMPTS))
+    if args.sweep:
+        args.dtype = args.dtype or "bfloat16"
+        args.max_tokens = 128 if args.max_tokens == 64 else args.max_tokens
+        args.single_reps = 0
     args.dtype = args.dtype or "float32"
     args.device = args.device or "cpu"
     report = asyncio.run(run(args))
+    if args.sweep:
+        return print_sweep(report, args)
     s, ld = report["single_client"], report["load"]
     print(f"model {report['model']}  strategy {report['strategy']['strategy']}  max_tokens {args.max_tokens}")
     print(f"single client ({s['requests']} requests, interleaved with direct generation):")
@@ -294,6 +378,21 @@ def main(argv=None) -> int:
         Path(args.json).write_text(json.dumps(report, indent=2))
     ok = ld["errors"] == 0 and ld["mismatches"] == 0 and s["mismatches"] == 0
     return 0 if ok else 1
+
+
+def print_sweep(report: dict, args) -> int:
+    rows = report["sweep"]
+    print(f"model {report['model']} ({args.dtype}), greedy, {args.max_tokens} new tokens, openai client over loopback; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print("| strategy | clients | tok/s | x 1 client | TTFT p50 (ms) | longest stall (ms) | identical to solo |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        base = next(b for b in rows if b["strategy"] == r["strategy"])["tok_s"]
+        print(f"| {r['strategy']} | {r['clients']} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f} | {r['ttft_p50_s'] * 1000:.0f} | "
+              f"{r['longest_stall_s'] * 1000:.0f} | {r['identical']}/{r['requests']} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0 if all(r["identical"] == r["requests"] for r in rows) else 1
 
 
 if __name__ == "__main__":

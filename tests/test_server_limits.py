@@ -1,8 +1,8 @@
 """Server hardening (issue 18): nothing a client sends may stall everyone else.
 
 (a) a huge body is refused by size before tokenizing, tokenization runs once and off the
-    event loop; (b) a prompt-token limit, and a long prefill yields to the running stream
-    between chunks; (c) a draft option the strategy does not use is a 400; (d) one outcome per
+    event loop; (b) a prompt-token limit, and a long prefill rides in the running stream's
+    steps one chunk at a time (the batch engine's chunked prefill); (c) a draft option the strategy does not use is a 400; (d) one outcome per
     request in the log, /metrics and /health, and /health's `waiting` counts only clients
     still there. In-process servers, synchronised on events; the one time bound (0.5 s for
     /health) is the property under test.
@@ -23,7 +23,6 @@ httpx = pytest.importorskip("httpx")
 
 import selfspec  # noqa: E402
 from selfspec.config import DraftConfig  # noqa: E402
-from selfspec.server import worker as worker_mod  # noqa: E402
 from selfspec.server.app import create_app  # noqa: E402
 from selfspec.server.errors import APIError  # noqa: E402
 from selfspec.server.parsing import ParseContext, encode, parse_request  # noqa: E402
@@ -172,51 +171,48 @@ def test_cli_rejects_bad_prompt_limit(tiny_dir):
     assert p.returncode == 2 and "max_prompt_tokens" in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 
-def test_long_prefill_yields_to_the_running_stream(tiny_dir):
-    """A streams; B (a ~450-token prompt, auto: its prefill also captures hidden states)
-    prefills in 16-token chunks meanwhile. A gets tokens between B's chunks, /health answers
-    while B's prefill is held mid-way, and both outputs equal plain decoding."""
-    model = selfspec.load(str(tiny_dir), dtype="float32", device="cpu")  # its own runtime: the log below wraps it
-    log: list = []
-    held, release = threading.Event(), threading.Event()
-    layers = model.runtime.run_layers
+def test_long_prefill_yields_to_the_running_stream(model):
+    """A streams; B (a ~450-token prompt) joins the batch and prefills 16 rows per step inside
+    A's verify pass. A gets tokens in every step of B's prefill, /health answers while the
+    engine is held with B's prefill mid-way, and both outputs equal plain decoding."""
     long_ids = model.encode(SENTENCE * 41)
     assert 400 < len(long_ids) < 500
+    app = create_app(model, model.draft_config(**STRATEGY), _settings(prefill_chunk=16))
+    worker = app.state.selfspec.worker
+    log: list = []  # per step: (A's tokens so far, B's prompt rows in the cache)
+    held, release = threading.Event(), threading.Event()
+    step = worker.engine_step
 
-    def logged(h, start, end, pos, cache, *a, **kw):
-        job = getattr(worker_mod._current, "job", None)
-        if job is not None and len(job.params.prompt_ids) == len(long_ids):
-            log.append(("B", pos))
-            if pos == 16 * 8 and start == 0 and not held.is_set():  # B's 9th chunk: hold it
+    def logged():
+        step()
+        jobs = {len(j.params.prompt_ids) == len(long_ids): j for j in worker.slots}
+        b = [s for s in worker.engine._active if True in jobs and s.handle is jobs[True].handle]
+        if b and False in jobs:
+            log.append((jobs[False].n_tokens, b[0].prefilled))
+            if b[0].prefilled == 16 * 8 and not held.is_set():  # B's prefill mid-way: hold the engine
                 held.set()
                 assert release.wait(120)
-        return layers(h, start, end, pos, cache, *a, **kw)
 
-    model.runtime.run_layers = logged  # under the worker's chunking (installed by create_app)
-    app = create_app(model, model.draft_config(**STRATEGY), _settings(prefill_chunk=16))
+    worker.engine_step = logged
     body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 300, "temperature": 0, "stream": True}
-    with HeldEngine(app) as eng, InProcessServer(app) as srv, httpx.Client(timeout=120) as c:
-        orig = eng.worker.generate
-
-        def tagged(params, on_event):
-            me = "B" if len(params.prompt_ids) == len(long_ids) else "A"
-            return orig(params, lambda ev: (on_event(ev), log.append((me, None)) if me == "A" else None))
-
-        eng.worker.generate = tagged
-        with c.stream("POST", srv.url + "/v1/completions", json=body) as a:
-            lines = a.iter_lines()
-            texts = [json.loads(next(lines)[6:])["choices"][0]["text"]]
-            with concurrent_post(srv.url, {"model": NAME, "prompt": long_ids, "max_tokens": 8, "temperature": 0,
-                                           "selfspec": {"strategy": "auto"}}) as b:
-                assert held.wait(120)
-                assert timed_health(srv.url) < 0.5  # B's prefill is mid-way, holding the engine
-                release.set()
-                texts += [json.loads(x[6:])["choices"][0]["text"] for x in lines if x.startswith("data: {")]
-                rb = b.result()
-    chunks = [i for i, e in enumerate(log) if e[0] == "B"]
-    a_between = [e for e in log[chunks[0]:chunks[-1]] if e[0] == "A"]
-    assert len(chunks) >= 2 * (len(long_ids) // 16)  # chunked: two layer ranges (calibration capture + rest)
-    assert len(a_between) >= len(long_ids) // 16 - 1, log  # A moved between B's chunks
+    try:
+        with InProcessServer(app) as srv, httpx.Client(timeout=120) as c:
+            with c.stream("POST", srv.url + "/v1/completions", json=body) as a:
+                lines = a.iter_lines()
+                texts = [json.loads(next(lines)[6:])["choices"][0]["text"]]
+                with concurrent_post(srv.url, {"model": NAME, "prompt": long_ids, "max_tokens": 8, "temperature": 0,
+                                               "selfspec": STRATEGY}) as b:
+                    assert held.wait(120)
+                    assert timed_health(srv.url) < 0.5  # B's prefill is mid-way, the engine held
+                    release.set()
+                    texts += [json.loads(x[6:])["choices"][0]["text"] for x in lines if x.startswith("data: {")]
+                    rb = b.result()
+    finally:
+        del worker.engine_step
+    prefilling = [(n, p) for n, p in log if p < len(long_ids)]
+    assert len(prefilling) >= len(long_ids) // 16 - 1, log  # chunked: 16 rows per step
+    assert all(p2 - p1 <= 16 for (_, p1), (_, p2) in zip(prefilling, prefilling[1:])), log
+    assert all(n2 > n1 for (n1, _), (n2, _) in zip(prefilling, prefilling[1:])), log  # A moved in every step
     assert "".join(texts) == direct(model, PROMPTS[0], max_new_tokens=300).text
     assert rb.status_code == 200, rb.text
     assert rb.json()["choices"][0]["text"] == ar_generate(model, long_ids, max_new_tokens=8).text
@@ -282,10 +278,12 @@ def test_client_gone_is_one_outcome_everywhere(model):
     logger.setLevel(logging.INFO)
     body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 300, "temperature": 0}
     try:
-        with HeldEngine(app, pause_after=3) as eng, InProcessServer(app) as srv, httpx.Client(timeout=120) as c:
+        with HeldEngine(app, pause_after=1) as eng, InProcessServer(app) as srv, httpx.Client(timeout=120) as c:
             with c.stream("POST", srv.url + "/v1/completions", json={**body, "stream": True}) as r:
-                assert r.status_code == 200 and next(r.iter_lines()).startswith("data: ")
-                # two more requests queue behind the paused stream; their clients leave
+                lines = r.iter_lines()  # kept: a dropped line iterator closes the connection
+                assert r.status_code == 200 and next(lines).startswith("data: ")
+                wait_until(lambda: len(eng.steps[0]) == 2, 60, "the engine to pause at the stream's second token")
+                # two more requests queue behind the paused engine; their clients leave
                 queued = [raw_request(srv, {**body, "prompt": f"Queued {i}"}) for i in range(2)]
                 wait_until(lambda: srv.health()["waiting"] == 2, 60, "two queued requests")
                 queued[1].close()  # the later one: still in the worker's queue

@@ -7,7 +7,7 @@ The implementation lives in one module per job (dependencies run downward):
     errors.py     APIError (OpenAI's error shape) and the cancellation signals
     parsing.py    request body -> Params, pure functions (tokenized once, off the event loop)
     metrics.py    Prometheus metrics; each request's one recorded outcome
-    worker.py     admission, the engine threads (FIFO decoding, chunked prefill), warm-up
+    worker.py     admission, the engine thread driving one continuous batch (selfspec.batch), warm-up
     streaming.py  response bodies, SSE streams, the access log
     routes.py     create_app: the FastAPI app and its endpoints
 """

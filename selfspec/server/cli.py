@@ -17,7 +17,7 @@ from selfspec.cli_args import add_chat_template_arg, add_draft_args, add_model_a
 from selfspec.config import MAX_SPECULATIONS, STRATEGIES
 from selfspec.errors import SelfSpecError
 from selfspec.server.ray_deploy import serve_with_ray
-from selfspec.server.settings import PROMPT_TOKENS_PER_CORE, ServerSettings
+from selfspec.server.settings import PROMPT_TOKENS_PER_CORE, ServerSettings, default_max_batch
 from selfspec.server.worker import warmup
 
 
@@ -37,8 +37,11 @@ def register(subparsers) -> None:
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $SELFSPEC_API_KEY; none if unset)")
     p.add_argument("--max-concurrency", type=int, default=16,
-                   help="requests admitted at once (one generates, the rest wait in FIFO order); more get 429 "
-                        "(default: %(default)s)")
+                   help="requests admitted at once (up to --max-batch decode together, the rest wait for a slot in "
+                        "arrival order); more get 429 (default: %(default)s)")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="the most requests decoding together in one continuous batch (default: 4 per CPU core, "
+                        f"between 4 and 32: {default_max_batch()} on this machine)")
     p.add_argument("--queue-timeout", type=float, default=30.0, help="seconds a request may wait for the engine before 503 (default: %(default)s)")
     p.add_argument("--max-new-tokens-limit", type=int, default=1024, help="the largest max_tokens a request may ask for (default: %(default)s)")
     p.add_argument("--default-max-tokens", type=int, default=128, help="max_tokens when a request gives none (default: %(default)s)")
@@ -85,6 +88,7 @@ def settings_from_args(args) -> ServerSettings:
         max_num_speculations=args.max_num_speculations,
         allow_request_draft=not args.no_request_draft,
         max_prompt_tokens=args.max_prompt_tokens,
+        max_batch=args.max_batch,
     )
 
 

@@ -37,8 +37,12 @@ class Metrics:
         g = Gauge("selfspec_mean_accepted_length", "Tokens committed per verify step since start (the verifier's own included)", registry=r)
         g.set_function(lambda: (self._totals["accepted"] + self._totals["steps"]) / self._totals["steps"] if self._totals["steps"] else 0.0)
         self.waiting = Gauge("selfspec_requests_waiting", "Requests admitted and waiting for the engine (clients still there)", registry=r)
-        self.running = Gauge("selfspec_requests_running", "Requests the engine is working on (decoding, or prefilling the next)",
-                             registry=r)
+        self.running = Gauge("selfspec_requests_running", "Requests holding a batch slot (prefilling or decoding)", registry=r)
+        self.batch_size = Gauge("selfspec_batch_size", "Sequences in the engine's continuous batch now", registry=r)
+        self.queue_depth = Gauge("selfspec_queue_depth", "Requests waiting for a batch slot (clients still there)", registry=r)
+        self.max_batch = Gauge("selfspec_max_batch", "The most sequences one batch step runs (--max-batch)", registry=r)
+        self.longest_stall = Gauge("selfspec_longest_stall_seconds",
+                                   "The longest batch step while a sequence was decoding (since start)", registry=r)
         self.ttft = Histogram("selfspec_time_to_first_token_seconds", "Request arrival to first generated token",
                               buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=r)
         self.tpot = Histogram("selfspec_time_per_output_token_seconds", "Mean time per generated token after the first, per request",

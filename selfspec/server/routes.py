@@ -9,8 +9,8 @@ Endpoints
 
 A request: auth -> body read with a byte limit (413) -> parse_request (parsing.py, cheap; a
 text longer than the character bound is refused untokenized) -> tokenized once in a
-tokenizer thread -> admission (429) -> the worker (worker.py: FIFO, 503 after the queue
-timeout) -> a JSON response or an SSE stream. Every non-streamed response, and the final
+tokenizer thread -> admission (429) -> the worker (worker.py: one continuous batch; a slot
+in arrival order, 503 after the queue timeout) -> a JSON response or an SSE stream. Every non-streamed response, and the final
 usage chunk of a stream with `stream_options: {"include_usage": true}`, carries a top-level
 `selfspec` object with the generation's speculative statistics. A client that goes away
 (waiting or mid-stream) cancels its job and is recorded once, as 499 client-gone.
@@ -108,6 +108,7 @@ class Server:
     def health(self) -> dict:
         return {"status": "ok", "model": self.settings.model_name, "fingerprint": self.fingerprint,
                 "in_progress": self.admission.admitted, "waiting": self.worker.waiting, "running": self.worker.running,
+                "batch_size": self.worker.batch_size, "max_batch": self.worker.max_batch,
                 "max_concurrency": self.settings.max_concurrency, "max_prompt_tokens": self.ctx.limits.max_prompt_tokens,
                 "outcomes": self.metrics.outcome_counts()}
 

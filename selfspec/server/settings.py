@@ -35,7 +35,7 @@ class ServerSettings:
     model_name: str = "selfspec"  # the `model` id clients send and /v1/models lists
     aliases: tuple[str, ...] = ()  # other accepted `model` values (e.g. the --model path)
     api_key: str | None = None  # when set, /v1/* needs `Authorization: Bearer KEY`
-    max_concurrency: int = 16  # requests admitted at once (1 generating + waiting); more -> 429
+    max_concurrency: int = 16  # requests admitted at once (in the batch + waiting for a slot); more -> 429
     queue_timeout_s: float = 30.0  # waiting longer than this for the engine -> 503
     max_new_tokens_limit: int = 1024  # max_tokens above this -> 400
     default_max_tokens: int = 128  # when a request gives no max_tokens
@@ -45,7 +45,8 @@ class ServerSettings:
     max_stop: int = 16  # most stop strings per request
     max_request_bytes: int = 8 * 1024 * 1024  # larger bodies -> 413
     max_prompt_tokens: int | None = None  # longer prompts -> 400; None: default_max_prompt_tokens
-    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # a long prefill yields to the running stream between chunks
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt rows per batch step: running streams wait one chunk, not a prompt
+    max_batch: int | None = None  # sequences decoding at once; None: default_max_batch() (from the CPU count)
     replica_id: str = ""  # shown in the X-SelfSpec-Replica header and the stats (Ray Serve)
 
     def __post_init__(self):
@@ -58,8 +59,10 @@ class ServerSettings:
             v = getattr(self, name)
             if v < 1:
                 raise SelfSpecError(f"{name} must be a positive integer, got {v!r}")
-        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
-            raise SelfSpecError(f"max_prompt_tokens must be a positive integer, got {self.max_prompt_tokens!r}")
+        for name in ("max_prompt_tokens", "max_batch"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise SelfSpecError(f"{name} must be a positive integer, got {v!r}")
         if not (self.queue_timeout_s > 0):
             raise SelfSpecError(f"queue_timeout_s must be > 0, got {self.queue_timeout_s!r}")
         if not 1 <= self.max_num_speculations <= MAX_SPECULATIONS:
@@ -75,6 +78,15 @@ class ServerSettings:
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def default_max_batch(cpus: int | None = None) -> int:
+    """The batch size when the operator sets none: 4 sequences per CPU core, between 4 and 32.
+    A decode step streams every weight once for the whole batch, so rows are nearly free
+    until the pass becomes compute-bound; on the CPU that happens after a few rows per core
+    (the batch planner then drafts less), and more sequences only lengthen every step."""
+    cpus = cpus or os.cpu_count() or 1
+    return max(4, min(32, 4 * cpus))
 
 
 def default_max_prompt_tokens(context_length: int, cpus: int | None = None) -> int:

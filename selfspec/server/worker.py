@@ -1,45 +1,52 @@
-"""The worker: admission, the engine threads, and the warm-up.
+"""The worker: admission, the engine thread that drives one continuous batch, and the warm-up.
 
-The interface the routes use (and a continuous-batching worker can implement the same way):
+The interface the routes use:
 
     worker.submit(job)    queue a Job; the worker streams its events into job.events
-    job.cancel()          the client left: the worker drops the job (queued) or stops it at the
-                          next token or prefill chunk (running)
+    job.cancel()          the client left: a queued job is dropped, a running one leaves the
+                          batch (its slot and KV cache freed) at the next step boundary, at
+                          once when no step is running
     worker.waiting        queued jobs whose clients are still there
-    worker.running        jobs the engine is working on
+    worker.running        jobs holding a batch slot
+    worker.batch_size     sequences in the engine's batch now
     worker.shutdown()
 
-Events a job receives, in order: ("start",) when the engine takes it up, ("tok", text) per
+Events a job receives, in order: ("start",) when it gets a batch slot, ("tok", text) per
 committed text delta (streamed requests), then one of ("done", result), ("error", exc),
 ("cancelled",) or ("skipped",) (cancelled before it started).
 
-This worker decodes one request at a time, in arrival (FIFO) order. Two engine threads share
-the model through a fair turn (`Turns`): the one decoding, and the next request, which
-meanwhile prefills its prompt in chunks of `prefill_chunk` tokens, one chunk per turn. The
-decoding request hands the turn over after every token, so a long prompt never stalls a
-running stream for more than one chunk, and its own first token is ready when its turn to
-decode comes. Only the holder of the turn runs model code (it also holds the model's own
-lock, so direct `model.generate` calls elsewhere in the process interleave safely).
+One engine thread owns a `selfspec.batch.BatchEngine` (batch.engine documents a step). Jobs
+wait here in arrival (FIFO) order and enter the engine when a slot is free (at most
+`max_batch` in the batch), so "waiting" means waiting for a slot and the queue timeout (503)
+counts from arrival to the slot. Between two steps the thread admits, then runs one step
+under the model's own lock (direct `model.generate` calls elsewhere in the process
+interleave safely), then hands finished jobs their results. Newcomers' prompts are prefilled
+in chunks of `prefill_chunk` rows inside the running sequences' verify pass, so a long prompt
+delays running streams by one chunk per step, never a whole prefill. A strategy the engine
+cannot batch runs its solo steps inside the batch (exact, as alone).
+
+Failures: a request's own failure (building its drafter, streaming its tokens) ends that
+request alone. A failure inside a step leaves the batch in an unknown state: every request in
+it gets the error, and the next step starts from a fresh engine; waiting requests go on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 
-import torch
-
-from selfspec import engine
+from selfspec.batch import BatchEngine, BatchHandle, BatchRequest
+from selfspec.batch.engine import batch_costs
 from selfspec.config import GenerationConfig
-from selfspec.server.errors import APIError, Cancelled
+from selfspec.server.errors import APIError
 from selfspec.server.parsing import Params
-from selfspec.server.settings import ServerSettings
+from selfspec.server.settings import ServerSettings, default_max_batch
 
-_current = threading.local()  # .job, .turns, .chunk: what this engine thread runs (for the prefill chunks)
+log = logging.getLogger("selfspec.server")
 
 
 class Job:
@@ -51,8 +58,10 @@ class Job:
         self.stream = params.stream
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
-        self.on_cancel = None  # set by the worker: wakes its threads
+        self.on_cancel = None  # set by the worker: takes the job out of the batch, wakes the engine thread
+        self.handle: BatchHandle | None = None  # once it has a slot
         self.finished = False
+        self.failed = False  # its own failure was reported: the engine's result is ignored
         self.t_arrival = time.perf_counter() if t_arrival is None else t_arrival
         self.t_start: float | None = None
         self.t_first: float | None = None
@@ -68,7 +77,7 @@ class Job:
     def cancel(self) -> None:
         self.cancelled.set()
         if self.on_cancel is not None:
-            self.on_cancel()
+            self.on_cancel(self)
 
 
 class Admission:
@@ -83,7 +92,8 @@ class Admission:
     def admit(self, waiting: int) -> None:
         if self.admitted >= self.settings.max_concurrency:
             self.metrics.rejected.labels("queue_full").inc()
-            wait = max(1, min(60, math.ceil(self.ewma_job_s * max(waiting, 1))))
+            slots = self.settings.max_batch or default_max_batch()
+            wait = max(1, min(60, math.ceil(self.ewma_job_s * max(waiting, 1) / slots)))
             raise APIError(429, f"The server is at capacity ({self.settings.max_concurrency} requests in progress); retry later.",
                            type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": str(wait)})
         self.admitted += 1
@@ -95,86 +105,31 @@ class Admission:
         self.ewma_job_s = 0.8 * self.ewma_job_s + 0.2 * seconds
 
 
-class Turns:
-    """Who may run model code now (fair, FIFO among those asking), and who may decode now
-    (one job at a time, in submission order)."""
-
-    def __init__(self, model_lock):
-        self.cond = threading.Condition()
-        self.model_lock = model_lock  # the model's own lock: held with the turn
-        self.holder = None
-        self.asking: deque = deque()
-        self.order: deque = deque()  # jobs submitted and not yet done decoding, in arrival order
-
-    def _wait(self, job, ready) -> None:
-        while True:
-            if job.cancelled.is_set():  # first: a cancelled job never takes the turn
-                raise Cancelled()
-            if ready():
-                return
-            self.cond.wait()
-
-    def take(self, job) -> None:
-        with self.cond:
-            self.asking.append(job)
-            try:
-                self._wait(job, lambda: self.holder is None and self.asking[0] is job)
-            finally:
-                self.asking.remove(job)
-            self.holder = job
-        self.model_lock.acquire()
-
-    def give(self, job) -> None:
-        if self.holder is not job:
-            return
-        self.model_lock.release()
-        with self.cond:
-            self.holder = None
-            self.cond.notify_all()
-
-    def pause(self, job) -> None:
-        """Let whoever is asking run one piece (a token, a prefill chunk), then continue."""
-        with self.cond:
-            if not self.asking:
-                return
-        self.give(job)
-        self.take(job)
-
-    def decode(self, job) -> None:
-        """Wait (without the turn) until every job that arrived earlier has finished decoding."""
-        with self.cond:
-            if self.order and self.order[0] is job:
-                return
-        self.give(job)
-        with self.cond:
-            self._wait(job, lambda: self.order[0] is job)
-        self.take(job)
-
-    def done(self, job) -> None:
-        with self.cond:
-            if job in self.order:
-                self.order.remove(job)
-            self.cond.notify_all()
-
-    def wake(self) -> None:
-        with self.cond:
-            self.cond.notify_all()
-
-
 class Worker:
-    """One request decoding at a time, FIFO; the next one prefills meanwhile (module doc)."""
+    """One continuous batch driven by one engine thread (module doc)."""
 
     def __init__(self, model, settings: ServerSettings, metrics, admission: Admission):
         self.model, self.settings, self.metrics, self.admission = model, settings, metrics, admission
-        self.turns = Turns(model._lock)  # SelfSpecModel's one-generation-at-a-time lock
-        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="selfspec-engine")
-        self.queued: set[Job] = set()  # submitted, not yet taken up by the engine
-        self.live: set[Job] = set()  # submitted, not yet finished
-        self.started = 0  # jobs taken up and not finished
-        self._count = threading.Lock()  # for `started`, written by both engine threads
-        chunked_prefill(model.runtime)
+        self.max_batch = settings.max_batch or default_max_batch()
+        self.engine = self._new_engine()
+        self._cond = threading.Condition()
+        self.queued: deque[Job] = deque()  # waiting for a slot, in arrival order
+        self.slots: list[Job] = []  # holding a slot (engine thread only)
+        self._stop = False
+        self.steps = 0
         metrics.waiting.set_function(lambda: self.waiting)
-        metrics.running.set_function(lambda: self.started)
+        metrics.running.set_function(lambda: self.running)
+        metrics.batch_size.set_function(lambda: self.batch_size)
+        metrics.queue_depth.set_function(lambda: self.waiting)
+        metrics.max_batch.set(self.max_batch)
+        metrics.longest_stall.set_function(lambda: self.engine.longest_stall_s)
+        self.thread = threading.Thread(target=self._loop, name="selfspec-engine", daemon=True)
+        self.thread.start()
+
+    def _new_engine(self) -> BatchEngine:
+        return BatchEngine(self.model, max_batch=self.max_batch, prefill_chunk=self.settings.prefill_chunk)
+
+    # ---- what the routes and the metrics read --------------------------------------------------
 
     @property
     def waiting(self) -> int:
@@ -183,66 +138,128 @@ class Worker:
 
     @property
     def running(self) -> int:
-        return self.started
+        return len(self.slots)
+
+    @property
+    def batch_size(self) -> int:
+        return self.engine.batch_size
 
     def submit(self, job: Job) -> None:
-        job.on_cancel = self.turns.wake
-        self.queued.add(job)
-        self.live.add(job)
-        with self.turns.cond:
-            self.turns.order.append(job)
-        self.pool.submit(self._run, job)
+        job.on_cancel = self._cancel
+        with self._cond:
+            self.queued.append(job)
+            self._cond.notify_all()
 
-    def generate(self, params: Params, on_event):
-        """One generation, as SelfSpecModel.generate runs it (the same budget, drafter and
-        engine loop), without its lock: the turn stands for it (Turns)."""
-        m = self.model
-        ids = params.prompt_ids
-        gen = GenerationConfig(max_new_tokens=min(params.max_tokens, m.context_length - len(ids)), stop=params.stop)
-        drafter = m.drafter(params.draft)
-        return engine.generate(m.runtime, drafter, ids, gen, params.sampling, m.tokenizer, m.eos_token_ids, on_event)
+    def _cancel(self, job: Job) -> None:  # any thread
+        with self._cond:
+            handle = job.handle
+            self._cond.notify_all()
+        if handle is not None:  # frees the slot now when no step runs, else at the next step boundary
+            handle.cancel()
 
-    def _run(self, job: Job) -> None:  # an engine thread
-        try:
-            self.turns.take(job)
-        except Cancelled:
-            self.queued.discard(job)
-            self.live.discard(job)
-            self.turns.done(job)
-            job.post("skipped")
-            return
-        self.queued.discard(job)
-        with self._count:
-            self.started += 1
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stop = True
+            jobs = list(self.queued) + list(self.slots)
+            self._cond.notify_all()
+        for job in jobs:
+            job.cancel()
+
+    # ---- the engine thread ---------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and not self.slots and not self.queued:
+                    self._cond.wait()
+                if self._stop:
+                    return
+            self._drop_gone()
+            self._fill_slots()
+            if self.slots:
+                self._step()
+            self._collect()
+
+    def _drop_gone(self) -> None:
+        """Queued jobs whose clients left never start."""
+        with self._cond:
+            gone = [j for j in self.queued if j.cancelled.is_set()]
+            for j in gone:
+                self.queued.remove(j)
+        for j in gone:
+            j.finished = True
+            j.post("skipped")
+
+    def _fill_slots(self) -> None:
+        while True:
+            with self._cond:
+                free = self.max_batch - sum(1 for j in self.slots if not j.cancelled.is_set())
+                if free <= 0 or not self.queued:
+                    return
+                job = self.queued.popleft()
+            if job.cancelled.is_set():
+                job.finished = True
+                job.post("skipped")
+                continue
+            self.start(job)
+
+    def start(self, job: Job) -> None:
+        """Give the job a slot: it enters the engine (its first prompt chunk runs in the next step)."""
         job.t_start = time.perf_counter()
-        job.post("start")
         self.metrics.queue_time.observe(job.t_start - job.t_arrival)
-        _current.job, _current.turns, _current.chunk = job, self.turns, self.settings.prefill_chunk
+        job.post("start")
         try:
-            result = self.generate(job.params, lambda ev: self._on_event(job, ev))
-        except Cancelled:
-            job.post("cancelled")
-        except BaseException as e:  # reported to this request only; the server goes on
-            job.post("error", e)
-            if not isinstance(e, Exception):
-                raise
-        else:
-            job.post("done", result)
-        finally:
-            _current.job = None
+            handle = self.engine.submit(self.request(job))
+        except Exception as e:  # its drafter could not be built: this request alone fails
             job.finished = True
-            with self._count:
-                self.started -= 1
-            self.live.discard(job)
-            self.turns.give(job)
-            self.turns.done(job)
-            self.admission.observe(time.perf_counter() - job.t_start)
+            job.post("error", e)
+            return
+        with self._cond:
+            job.handle = handle
+            self.slots.append(job)
+        if job.cancelled.is_set():  # left while entering: _cancel did not see the handle
+            handle.cancel()
 
-    def _on_event(self, job: Job, ev) -> None:  # the engine thread, once per committed token
-        if job.cancelled.is_set():
-            raise Cancelled()
-        if job.t_first is None:
-            self.turns.decode(job)  # the prompt is in; decoding waits for the requests ahead
+    def request(self, job: Job) -> BatchRequest:
+        """The job as a BatchRequest: the budget, stop strings, sampling and draft of `generate`."""
+        p: Params = job.params
+        gen = GenerationConfig(max_new_tokens=min(p.max_tokens, self.model.context_length - len(p.prompt_ids)), stop=p.stop)
+        return BatchRequest(list(p.prompt_ids), gen, p.sampling, p.draft, lambda ev: self._on_event(job, ev))
+
+    def _step(self) -> None:
+        try:
+            with self.model._lock:  # SelfSpecModel's one-generation-at-a-time lock, per step
+                self.engine_step()
+            self.steps += 1
+        except Exception as e:  # the batch's state is unknown: everyone in it fails, a fresh engine goes on
+            log.error("batch step failed: %s: %s", type(e).__name__, e, exc_info=e)
+            for job in list(self.slots):
+                if not job.failed:
+                    job.failed = True
+                    job.post("error", e)
+            self.engine = self._new_engine()
+            with self._cond:
+                for job in self.slots:
+                    job.finished = True
+                    self.admission.observe(time.perf_counter() - job.t_start)
+                self.slots.clear()
+
+    def engine_step(self) -> None:
+        """One step of the batch (a hook tests wrap)."""
+        self.engine.step()
+
+    def _on_event(self, job: Job, ev) -> None:  # the engine thread, once per committed token; never raises
+        if job.cancelled.is_set() or job.failed:
+            return
+        try:
+            self.on_token(job, ev)
+        except Exception as e:  # this request's own failure: it leaves the batch, the others go on
+            job.failed = True
+            job.post("error", e)
+            job.handle.cancel()
+
+    def on_token(self, job: Job, ev) -> None:
+        """A committed token of a job (a hook tests wrap)."""
         now = time.perf_counter()
         if job.t_first is None:
             job.t_first = now
@@ -250,52 +267,33 @@ class Worker:
         job.n_tokens += 1
         if job.stream and ev.text:
             job.post("tok", ev.text)
-        self.turns.pause(job)  # a waiting request may prefill one chunk
 
-    def shutdown(self) -> None:
-        for job in list(self.live):
-            job.cancel()
-        self.pool.shutdown(wait=False, cancel_futures=True)
-
-
-def chunked_prefill(runtime) -> None:
-    """Make `runtime.run_layers` (the one layer loop every prefill goes through) process more
-    than `prefill_chunk` rows as consecutive chunks when called from a worker's engine thread
-    (what it runs, its turns and chunk size are that thread's: `_current`), handing the turn
-    over between chunks. Causal attention makes chunk-major order equal to one pass
-    (each chunk's keys/values are in the cache before the next chunk attends to them), and
-    the kernels compute every row on its own, so the cache, the captures and the logits are
-    the same. Installed once per runtime; calls from other threads are untouched."""
-    if getattr(runtime, "_selfspec_chunked", False):
-        return
-    layers = runtime.run_layers  # the bound method
-
-    def run_layers(h, start, end, pos, cache, skip_attn=frozenset(), skip_mlp=frozenset(), capture=None):
-        job = getattr(_current, "job", None)
-        step = getattr(_current, "chunk", 0)
-        if job is None or h.shape[0] <= step:
-            return layers(h, start, end, pos, cache, skip_attn, skip_mlp, capture)
-        outs, parts = [], {i: [] for i in capture or ()}
-        for s in range(0, h.shape[0], step):  # h [T, H] -> chunks [<=step, H] at positions pos+s..
-            if s:
-                _current.turns.pause(job)
-                if job.cancelled.is_set():
-                    raise Cancelled()
-            piece = None if capture is None else dict.fromkeys(capture)
-            outs.append(layers(h[s : s + step], start, end, pos + s, cache, skip_attn, skip_mlp, piece))
-            for i in parts:
-                parts[i].append(piece[i])
-        for i, p in parts.items():
-            capture[i] = torch.cat(p)
-        return torch.cat(outs)
-
-    runtime.run_layers = run_layers  # instance attribute: shadows the method for this runtime only
-    runtime._selfspec_chunked = True
+    def _collect(self) -> None:
+        """Finished and cancelled jobs leave their slots; their clients get the outcome."""
+        for j in [j for j in list(self.slots) if j.cancelled.is_set() or j.failed]:
+            j.handle.cancel()  # left during the step: retired now, between steps (no step runs)
+        with self._cond:
+            done = [j for j in self.slots if j.handle.done]
+            for j in done:
+                self.slots.remove(j)
+        for job in done:
+            job.finished = True
+            self.admission.observe(time.perf_counter() - job.t_start)
+            result = job.handle.result
+            if job.failed:
+                continue
+            if result is None or result.finish_reason == "cancelled" or job.cancelled.is_set():
+                job.post("cancelled")
+            else:
+                job.post("done", result)
 
 
 def warmup(model, draft) -> None:
-    """One short generation: builds the drafter and touches every kernel before traffic."""
+    """One short generation (builds the drafter, touches every kernel) and the batched pass
+    costs the batch planner reads, measured before traffic."""
     tok = model.tokenizer
     ids = tok("Hello").input_ids if tok is not None else [0]
     ids = [t for t in ids if 0 <= t < model.spec.vocab_size] or [0]
     model.generate(ids, max_new_tokens=2, draft=draft)
+    with model._lock:
+        batch_costs(model.runtime)
