@@ -306,7 +306,7 @@ def test_help_shows_defaults_as_typed():
         assert not re.search(r"\(default: [^)]*\) \(default:", flat), command
         assert "(default: [" not in flat, command
     search = " ".join(_help_texts()["search"].split())
-    assert "(default: 8192,16384,32768)" in search and "(default: early-exit,layer-skip,prompt-lookup)" in search
+    assert "(default: 8192,16384,32768)" in search and "(default: early-exit,layer-skip,prompt-lookup,quantized)" in search
 
 
 def test_speculative_stream_says_what_green_means(model_dir):
