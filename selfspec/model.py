@@ -254,19 +254,25 @@ class SelfSpecModel:
         on_event=None,
         **draft_options,
     ) -> GenerationResult:
-        gen = GenerationConfig(max_new_tokens=max_new_tokens, stop=tuple(stop) if isinstance(stop, (list, tuple)) else (stop or ()), chat=chat)
+        gen, cfg = self._request_options(max_new_tokens, stop, chat, strategy, profile, draft, draft_options)
         sampling = SamplingConfig(temperature=float(temperature), top_k=top_k, top_p=top_p, seed=seed)
-        if draft is not None and (strategy is not None or profile is not None or draft_options):
-            raise SelfSpecError("pass either draft=DraftConfig(...) or strategy/profile/draft options, not both")
-        cfg = draft if draft is not None else self.draft_config(strategy, profile, **draft_options)
         ids = self.encode(prompt, chat)
-        budget = min(gen.max_new_tokens, self.context_length - len(ids))
-        if budget != gen.max_new_tokens:
-            gen = GenerationConfig(budget, gen.stop, gen.chat)
+        gen = self._within_context(gen, ids)
         with self._lock:  # one generation at a time (class doc)
             drafter = self.drafter(cfg)
             return generate(self.runtime, drafter, ids, gen, sampling, self.tokenizer, self.eos_token_ids, on_event)
 
+    def _request_options(self, max_new_tokens, stop, chat, strategy, profile, draft, draft_options) -> tuple[GenerationConfig, DraftConfig]:
+        """generate / generate_batch's options as configs (a DraftConfig, or strategy/profile/options)."""
+        gen = GenerationConfig(max_new_tokens=max_new_tokens, stop=tuple(stop) if isinstance(stop, (list, tuple)) else (stop or ()), chat=chat)
+        if draft is not None and (strategy is not None or profile is not None or draft_options):
+            raise SelfSpecError("pass either draft=DraftConfig(...) or strategy/profile/draft options, not both")
+        return gen, draft if draft is not None else self.draft_config(strategy, profile, **draft_options)
+
+    def _within_context(self, gen: GenerationConfig, ids: list[int]) -> GenerationConfig:
+        """gen with its budget cut to what the context leaves after the prompt."""
+        budget = min(gen.max_new_tokens, self.context_length - len(ids))
+        return gen if budget == gen.max_new_tokens else GenerationConfig(budget, gen.stop, gen.chat)
 
     def generate_batch(
         self,
@@ -291,18 +297,14 @@ class SelfSpecModel:
         the same options, applied to every prompt (`seed` may be a list, one per prompt;
         `on_event(index, event)` streams). result[i] has exactly the tokens
         generate(prompts[i], ...) would give, greedy or with the same seed."""
-        gen = GenerationConfig(max_new_tokens=max_new_tokens, stop=tuple(stop) if isinstance(stop, (list, tuple)) else (stop or ()), chat=chat)
-        if draft is not None and (strategy is not None or profile is not None or draft_options):
-            raise SelfSpecError("pass either draft=DraftConfig(...) or strategy/profile/draft options, not both")
-        cfg = draft if draft is not None else self.draft_config(strategy, profile, **draft_options)
+        gen, cfg = self._request_options(max_new_tokens, stop, chat, strategy, profile, draft, draft_options)
         seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(prompts)
         if len(seeds) != len(prompts):
             raise SelfSpecError(f"{len(seeds)} seeds for {len(prompts)} prompts")
         requests = []
         for i, (prompt, s) in enumerate(zip(prompts, seeds)):
             ids = self.encode(prompt, chat)
-            budget = min(gen.max_new_tokens, self.context_length - len(ids))
-            g = gen if budget == gen.max_new_tokens else GenerationConfig(budget, gen.stop, gen.chat)
+            g = self._within_context(gen, ids)
             sampling = SamplingConfig(temperature=float(temperature), top_k=top_k, top_p=top_p, seed=s)
             cb = None if on_event is None else (lambda e, i=i: on_event(i, e))
             requests.append(BatchRequest(ids, g, sampling, cfg, cb))

@@ -144,6 +144,21 @@ def tiny():
     return _tiny()
 
 
+def _count_draft_sources(d) -> list[int]:
+    """[drafts from the model, drafts from prompt lookup] of a lookup-first drafter, as it drafts."""
+    counts = [0, 0]
+    draft = d.draft
+
+    def counting(step):
+        out = draft(step)
+        if out.tokens:
+            counts[d._from_lookup] += 1
+        return out
+
+    d.draft = counting
+    return counts
+
+
 def test_the_sample_size_detects_a_tv_error_of_0_03():
     from scipy.stats import chi2, ncx2
 
@@ -178,16 +193,7 @@ def test_exit_adapter_with_lookup_first_preserves_the_distribution(tiny, tmp_pat
         a.out.copy_(torch.randn(a.out.shape, generator=g) * 0.5)
     save_adapter(a, tmp_path / "adapter.safetensors")
     d = tiny.drafter(DraftConfig("exit-adapter", adapter=str(tmp_path / "adapter.safetensors"), num_speculations=3, lookup_first=True))
-    from_lookup = [0, 0]
-    draft = d.draft
-
-    def counting(step):
-        out = draft(step)
-        if out.tokens:
-            from_lookup[d._from_lookup] += 1
-        return out
-
-    d.draft = counting
+    from_lookup = _count_draft_sources(d)
     _check(tiny, d, SamplingConfig(temperature=0.8, top_k=9), seed0=2_000_000)
     assert min(from_lookup) > 0, from_lookup
 
@@ -208,15 +214,6 @@ def test_quantized_with_lookup_first_preserves_the_distribution(tiny):
     """An int4 copy of the model's weights drafting behind prompt lookup: both kinds of draft,
     and rejections often enough on this tiny model."""
     d = tiny.drafter(DraftConfig("quantized", draft_bits=4, num_speculations=3, lookup_first=True))
-    from_lookup = [0, 0]
-    draft = d.draft
-
-    def counting(step):
-        out = draft(step)
-        if out.tokens:
-            from_lookup[d._from_lookup] += 1
-        return out
-
-    d.draft = counting
+    from_lookup = _count_draft_sources(d)
     _check(tiny, d, SamplingConfig(temperature=0.9, top_k=8), seed0=4_000_000)
     assert min(from_lookup) > 0, from_lookup
