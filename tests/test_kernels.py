@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from selfspec import kernels
+from selfspec.kernels import build
 
 
 def _buildable() -> bool:
@@ -131,12 +132,23 @@ def test_close_to_float64(k, n, xdt, wdt):
 needs_pairs = pytest.mark.skipif(not kernels.has_pairs(), reason="no AVX512-BF16 pair path here")
 
 
+@pytest.fixture
+def pairs_threshold():
+    """Restores the pair path's row threshold (the loader's timed choice) after a test."""
+    kept = build.pairs_many_min()
+    yield build.set_pairs_many_min
+    build.set_pairs_many_min(kept)
+
+
 @needs_pairs
 @pytest.mark.parametrize("k,n", SHAPES)
 @pytest.mark.parametrize("xdt", [torch.bfloat16, torch.float32])
-def test_pairs_chain_is_row_invariant_and_matches_reference(k, n, xdt):
-    """The VDPBF16PS layout: every M (direct path below 13 rows, widened-scratch path from 13)
-    and thread count gives the bits of the scalar reference chain, denormals included."""
+@pytest.mark.parametrize("many_min", [13, build.NEVER], ids=["scratch-from-13", "direct-only"])
+def test_pairs_chain_is_row_invariant_and_matches_reference(k, n, xdt, many_min, pairs_threshold):
+    """The VDPBF16PS layout: every M and thread count gives the bits of the scalar reference
+    chain, denormals included, whichever row strategy the loader chose (direct tiles for
+    every M, or the widened-scratch path from 13 rows: both are forced here)."""
+    pairs_threshold(many_min)
     x, w = _operands(k, n, xdt, torch.bfloat16, m=20)
     x[0, 0], w[0, 0] = 1e-39, 1e-39  # bf16 denormals: VDPBF16PS treats them as zero
     p = kernels.pack(w)

@@ -298,6 +298,29 @@ def test_sweep_layer_skip(tiny_model_dir, tmp_path):
     assert load_profile(out / "best_profile.json").draft.strategy == "layer-skip"
 
 
+def test_sweep_quantized_rows_are_draft_bits(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "q"
+    rc = main(["sweep", *_model_args(tiny_model_dir), "--strategy", "quantized", "--num-speculations", "2,3", "--head-bits", "8",
+               "--dataset", "code", "--num-samples", "2", "--max-new-tokens", "6", "--warmup", "0", "--out-dir", str(out), "--no-progress"])
+    assert rc == 0
+    d = _strict_json(out / "sweep.json")
+    assert d["row_kind"] == "draft_bits" and d["rows"] == [4, 8] and len(d["cells"]) == 4
+    assert [(c["draft"]["draft_bits"], c["draft"]["head_bits"], c["draft"]["num_speculations"]) for c in d["cells"]] == [
+        (4, 8, 2), (4, 8, 3), (8, 8, 2), (8, 8, 3)]
+    assert all(c["summary"]["identical_outputs"] == 2 and c["summary"]["drafted"] > 0 for c in d["cells"])
+    rows = list(csv.DictReader((out / "sweep.csv").open()))
+    assert [r["draft_bits"] for r in rows] == ["4", "4", "8", "8"] and {r["exit_layer"] for r in rows} == {""}
+    assert "draft bits" in capsys.readouterr().out
+    assert _is_png(out / "sweep_heatmap.png")
+    assert load_profile(out / "best_profile.json").draft.strategy == "quantized"
+    for bad, msg in ((["--draft-bits", "8,3"], "bits must be among 8, 4"), (["--exit-layers", "2"], "sweeps --draft-bits"),
+                     (["--skip-ratios", "0.5"], "sweeps --draft-bits")):
+        assert main(["sweep", *_model_args(tiny_model_dir), "--strategy", "quantized", *bad, "--out-dir", str(tmp_path / "x")]) == 2
+        assert msg in capsys.readouterr().err
+    assert main(["sweep", *_model_args(tiny_model_dir), "--draft-bits", "8", "--out-dir", str(tmp_path / "x")]) == 2
+    assert "are for --strategy quantized" in capsys.readouterr().err
+
+
 def test_correctness_passes_and_detects_mismatch(tiny_model_dir, tmp_path, monkeypatch, capsys):
     out = tmp_path / "ok.json"
     args = ["correctness", *_model_args(tiny_model_dir), "--strategy", "early-exit", "--exit-layer", "2", "--dataset", "code",

@@ -38,7 +38,7 @@
 #define PFP 16  /* prefetch distance in pair rows (pair path) */
 #endif
 #ifndef PAIRS_MANY_MIN
-#define PAIRS_MANY_MIN 13  /* pair path: rows from which the widened-scratch path pays (measured) */
+#define PAIRS_MANY_MIN 13  /* pair path: rows from which the widened-scratch path may pay */
 #endif
 #ifndef DIRECT_ONLY
 #define DIRECT_ONLY 0  /* 1: never use the many-row path (same bits, for testing/benchmarks) */
@@ -288,6 +288,15 @@ static void tile_pairs_many(long M, long K2, const float *xe, const float *xo, c
             store_out(y, y_bf16, m * ldy + n0 + 16 * j, _mm512_loadu_ps(accbuf + m * NT + 16 * j), mk[j]);
 }
 
+/* Pair path: the row count from which tile_pairs_many runs instead of tile_pairs. Which one
+ * is faster depends on the CPU (on AMD Zen 4 VDPBF16PS issues as fast as an FMA, so the
+ * direct path is ~2x faster at every M; where it issues at half the FMA rate the scratch
+ * path pays from ~13 rows), so the loader times both once and sets it (kernels/build.py).
+ * Both give the same bits, so this changes speed only. */
+static long pairs_many_min = PAIRS_MANY_MIN;
+void selfspec_set_pairs_many_min(long m) { pairs_many_min = m < 1 ? 1 : m; }
+long selfspec_pairs_many_min(void) { return pairs_many_min; }
+
 /* 1 if this build has the pair (VDPBF16PS) path. */
 int selfspec_has_pairs(void) {
 #ifdef __AVX512BF16__
@@ -338,9 +347,9 @@ static int gemm_pairs(long M, long K, long N, const void *x, int x_bf16, const u
             }
             xp[m * K2 + k2] = (uint32_t)lo | ((uint32_t)hi << 16);
         }
-    /* M >= PAIRS_MANY_MIN: fp32 copies of the even / odd x (DAZ applies to them inside the FMAs) */
+    /* M >= pairs_many_min: fp32 copies of the even / odd x (DAZ applies to them inside the FMAs) */
     float *xe = NULL, *xo = NULL;
-    if (M >= PAIRS_MANY_MIN && !DIRECT_ONLY) {
+    if (M >= pairs_many_min && !DIRECT_ONLY) {
         xe = (float *)malloc(sizeof(float) * M * K2 * 2);
         if (!xe) { if (xp != stackbuf) free(xp); return 1; }
         xo = xe + M * K2;

@@ -127,10 +127,61 @@ def _load():
                            qgemm=dll.selfspec_qgemm, qgemm_ref=dll.selfspec_qgemm_ref,
                            pairs=bool(dll.selfspec_has_pairs()), pairs_ref=dll.selfspec_gemm_pairs_ref)
             _blocks["dll"] = dll  # sampling_functions() registers its own entry points
+            dll.selfspec_set_pairs_many_min.argtypes = [ctypes.c_long]
+            dll.selfspec_pairs_many_min.restype = ctypes.c_long
+            if _blocks["pairs"]:
+                _blocks["pairs_many_min"] = _tune_pairs(fn, dll)
         except Exception as e:  # noqa: BLE001 - any failure means "use torch"
             _load_error = f"{type(e).__name__}: {e}"
             _lib = False
     return _lib or None
+
+
+NEVER = 1 << 40  # a pairs_many_min no M reaches
+
+
+def _tune_pairs(fn, dll, m: int = 16, k: int = 640, n: int = 2048, repeats: int = 5) -> int:
+    """Time the pair path's two row strategies on an [m, k] x [k, n] product (a decoder
+    matrix with a verification's or a small batch's rows) and keep the faster one from
+    `m` rows on: the scratch path must win by 10% to be used. A few milliseconds, once per
+    process. Both strategies give the same bits (tests/test_kernels.py), so this only
+    chooses speed."""
+    import time
+
+    k2 = (k + 1) // 2
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(-(-n // _TILE), k2, _TILE, 2, generator=gen) * 0.02).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    y = torch.empty(m, n, dtype=torch.bfloat16)
+
+    def best(many_min: int) -> float:
+        dll.selfspec_set_pairs_many_min(many_min)
+        ts = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            fn(m, k, n, x.data_ptr(), 1, w.data_ptr(), 1, 2, y.data_ptr(), 1, 0)
+            ts.append(time.perf_counter() - t0)
+        return min(ts[1:])
+
+    direct, many = best(NEVER), best(m)
+    choice = m if many < 0.9 * direct else NEVER
+    dll.selfspec_set_pairs_many_min(choice)
+    return choice
+
+
+def set_pairs_many_min(m: int) -> None:
+    """Force the pair path's row threshold (tests: both strategies must give the same bits)."""
+    _load()
+    dll = _blocks.get("dll")
+    if dll is not None:
+        dll.selfspec_set_pairs_many_min(m)
+
+
+def pairs_many_min() -> int | None:
+    """The pair path's current row threshold (None without the kernel)."""
+    _load()
+    dll = _blocks.get("dll")
+    return None if dll is None else int(dll.selfspec_pairs_many_min())
 
 
 def available() -> bool:

@@ -29,7 +29,7 @@ from selfspec.cli_args import (
     draft_config_from_args,
     load_model,
 )
-from selfspec.config import DraftConfig, SamplingConfig
+from selfspec.config import DRAFT_BITS, DraftConfig, SamplingConfig
 from selfspec.errors import SelfSpecError
 from selfspec.loading import peek_shape
 from selfspec.tools.bench import bench_table, run_bench
@@ -37,7 +37,7 @@ from selfspec.tools.common import Settings, strategy_label
 from selfspec.tools.correctness import correctness_table, run_correctness
 from selfspec.tools.datasets import load_dataset
 from selfspec.tools.report import report
-from selfspec.tools.sweep import parse_float_range, parse_int_range, run_sweep, sweep_table
+from selfspec.tools.sweep import SWEPT, parse_float_range, parse_int_range, run_sweep, sweep_table
 
 INTERRUPTED = 130
 
@@ -129,7 +129,16 @@ def cmd_sweep(args) -> int:
         raise SelfSpecError("--strategy exit-adapter needs --adapter FILE")
     if args.adapter and args.strategy != "exit-adapter":
         raise SelfSpecError("--adapter is for --strategy exit-adapter")
-    if args.strategy in ("early-exit", "exit-adapter"):
+    if args.strategy != "quantized" and (args.draft_bits is not None or args.head_bits is not None):
+        raise SelfSpecError("--draft-bits and --head-bits are for --strategy quantized")
+    if args.strategy == "quantized":
+        if args.exit_layers is not None or args.skip_ratios is not None:
+            raise SelfSpecError("--strategy quantized sweeps --draft-bits (the whole depth), not --exit-layers or --skip-ratios")
+        rows = parse_int_range(args.draft_bits or "4,8", "--draft-bits")
+        if any(b not in DRAFT_BITS for b in rows) or (args.head_bits is not None and args.head_bits not in DRAFT_BITS):
+            raise SelfSpecError(f"--draft-bits/--head-bits: bits must be among {', '.join(map(str, DRAFT_BITS))}")
+        rows_text = None
+    elif args.strategy in ("early-exit", "exit-adapter"):
         if args.skip_ratios is not None:
             raise SelfSpecError("--skip-ratios is for --strategy layer-skip")
         if args.strategy == "exit-adapter" and args.exit_layers is not None:
@@ -156,7 +165,7 @@ def cmd_sweep(args) -> int:
             rows = parse_int_range(rows_text, "--exit-layers")
         _check_exit_layers(rows, L)
     extra = {"draft_threshold": args.draft_threshold, "adaptive": args.adaptive or None, "draft_vocab": args.draft_vocab,
-             "adapter": args.adapter}
+             "adapter": args.adapter, "head_bits": args.head_bits}
     results = run_sweep(model, args.strategy, rows, ks, dataset, settings, skip_kind=args.skip_kind, extra=extra,
                         warmup=args.warmup, out_dir=args.out_dir, profile_out=args.profile_out,
                         progress=not args.no_progress, command=sys.argv[1:], log=_err)
@@ -228,11 +237,13 @@ def register(sub) -> None:
     s = sub.add_parser("sweep", help="grid of exit layers (or skip ratios) x K: CSV, JSON, heatmap, best profile",
                        description="Measures every (exit layer, K) or (skip ratio, K) cell against autoregressive.")
     add_model_args(s)
-    s.add_argument("--strategy", type=choice(("early-exit", "layer-skip", "exit-adapter"), "sweep strategy"), default="early-exit",
-                   help="early-exit, layer-skip or exit-adapter (default: early-exit)")
+    s.add_argument("--strategy", type=choice(SWEPT, "sweep strategy"), default="early-exit",
+                   help="early-exit, layer-skip, exit-adapter or quantized (default: early-exit)")
     s.add_argument("--adapter", default=None, help="exit-adapter: the trained adapter (its exit layer is the only row)")
     s.add_argument("--exit-layers", default=None, help="early-exit rows: start:stop[:step] (inclusive) or a list (default: ~6 across the depth)")
     s.add_argument("--skip-ratios", default=None, help="layer-skip rows: start:stop[:step] or a list of ratios in (0,1) (default: 0.1:0.5:0.1)")
+    s.add_argument("--draft-bits", default=None, help="quantized rows: bits of the draft copy, a list of 4 and/or 8 (default: both)")
+    s.add_argument("--head-bits", type=int, default=None, help="quantized, fixed for every cell: bits of the draft head (default: the row's bits)")
     s.add_argument("--skip-kind", type=choice(("attn", "mlp", "both"), "skip kind"), default="both", help="layer-skip: which sub-layers of a skipped layer to skip (default: both)")
     s.add_argument("--num-speculations", default="1:8", help="K values: start:stop[:step] (inclusive) or a list (default: 1:8)")
     s.add_argument("--draft-threshold", type=float, default=None, help="fixed for every cell: stop drafting below this top-1 probability")

@@ -72,7 +72,7 @@ def sweep_plots(r: dict, out_dir: str | os.PathLike, prefix: str = "sweep") -> l
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows, ks = r["rows"], r["num_speculations"]
-    rk = "exit layer" if r["row_kind"] == "exit_layer" else f"skip ratio ({r.get('skip_kind') or 'both'})"
+    rk = {"exit_layer": "exit layer", "draft_bits": "draft bits"}.get(r["row_kind"], f"skip ratio ({r.get('skip_kind') or 'both'})")
     speed = np.full((len(rows), len(ks)), np.nan)
     acc = np.full((len(rows), len(ks)), np.nan)
     for i, row in enumerate(rows):

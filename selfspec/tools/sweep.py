@@ -54,7 +54,7 @@ from selfspec.tools.plots import sweep_plots
 from selfspec.tools.tables import console_tables, sweep_loss_warning, sweep_rows
 
 CSV_FIELDS = [
-    "strategy", "row", "exit_layer", "skip_ratio", "skip_attn", "skip_mlp", "num_speculations", "samples", "complete",
+    "strategy", "row", "exit_layer", "skip_ratio", "draft_bits", "skip_attn", "skip_mlp", "num_speculations", "samples", "complete",
     "tokens_per_second", "baseline_tokens_per_second", "speedup", "speedup_median", "acceptance_rate",
     "mean_accepted_length", "drafted", "accepted", "verify_steps", "time_s", "baseline_time_s", "identical_outputs",
 ]
@@ -111,9 +111,22 @@ def skip_layers(num_layers: int, ratio: float) -> tuple[int, ...]:
     return tuple(sorted({interior[round(i * (len(interior) - 1) / (n - 1))] for i in range(n)}))
 
 
+SWEPT = ("early-exit", "layer-skip", "exit-adapter", "quantized")
+
+
+def row_kind(strategy: str) -> str:
+    """What a sweep row varies: the exit layer, the skip ratio or the quantized copy's bits."""
+    return {"early-exit": "exit_layer", "exit-adapter": "exit_layer", "layer-skip": "skip_ratio", "quantized": "draft_bits"}[strategy]
+
+
+ROW_LABEL = {"exit_layer": "E", "skip_ratio": "skip", "draft_bits": "bits"}  # progress line
+
+
 def row_draft(strategy: str, row, K: int, num_layers: int, skip_kind: str, extra: dict) -> DraftConfig:
     if strategy in ("early-exit", "exit-adapter"):
         return DraftConfig(strategy=strategy, exit_layer=int(row), num_speculations=K, **extra)
+    if strategy == "quantized":  # the whole depth in `row` bits (its head too unless head_bits is fixed)
+        return DraftConfig(strategy=strategy, draft_bits=int(row), num_speculations=K, **extra)
     layers = skip_layers(num_layers, float(row))
     attn = layers if skip_kind in ("attn", "both") else ()
     mlp = layers if skip_kind in ("mlp", "both") else ()
@@ -174,20 +187,21 @@ def csv_text(results: dict) -> str:
             "row": c["row"],
             "exit_layer": d.get("exit_layer") if d["strategy"] in ("early-exit", "exit-adapter") else "",
             "skip_ratio": c["row"] if d["strategy"] == "layer-skip" else "",
+            "draft_bits": d.get("draft_bits") if d["strategy"] == "quantized" else "",
             "skip_attn": " ".join(map(str, d.get("skip_attn") or [])),
             "skip_mlp": " ".join(map(str, d.get("skip_mlp") or [])),
             "num_speculations": d["num_speculations"],
             "samples": s["samples"],
             "complete": s["samples"] == results["requested"],
-            **{k: s[k] for k in CSV_FIELDS[9:]},
+            **{k: s[k] for k in CSV_FIELDS[10:]},
         })
     return buf.getvalue()
 
 
 def sweep_grid(model, strategy: str, rows: list, ks: list[int], skip_kind: str, extra: dict) -> dict:
     """{(row, K): DraftConfig}, every cell checked against the model before anything runs."""
-    if strategy not in ("early-exit", "layer-skip", "exit-adapter"):
-        raise SelfSpecError(f"sweep covers early-exit, layer-skip and exit-adapter, not {strategy!r}")
+    if strategy not in SWEPT:
+        raise SelfSpecError(f"sweep covers {', '.join(SWEPT)}, not {strategy!r}")
     bad = [k for k in ks if not 1 <= k <= MAX_SPECULATIONS]
     if bad:
         raise SelfSpecError(f"--num-speculations: K must be in 1..{MAX_SPECULATIONS}, got {bad}")
@@ -206,7 +220,7 @@ def _new_results(model, strategy, rows, ks, grid, dataset, settings, skip_kind, 
         "command": command,
         "model": model_info(model),
         "strategy": strategy,
-        "row_kind": "exit_layer" if strategy in ("early-exit", "exit-adapter") else "skip_ratio",
+        "row_kind": row_kind(strategy),
         "rows": rows,
         "num_speculations": ks,
         "skip_kind": skip_kind if strategy == "layer-skip" else None,
@@ -239,7 +253,7 @@ def _measure_row(model, results: dict, row, grid: dict, dataset: Dataset, settin
     baseline = DraftConfig("autoregressive")
     ks = results["num_speculations"]
     cells = {(c["row"], c["draft"]["num_speculations"]): c for c in results["cells"]}
-    label = f"{'E' if results['strategy'] == 'early-exit' else 'skip'}={row}"
+    label = f"{ROW_LABEL[results['row_kind']]}={row}"
     for i, sample in enumerate(dataset.samples):
         seed = settings.seed + i
         res = measured_generate(model, sample.prompt, baseline, settings, seed, memory, "baseline")

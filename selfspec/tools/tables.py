@@ -65,7 +65,7 @@ def bench_rows(results: list[dict], labels: list[str]) -> tuple[list[str], list[
 
 
 def sweep_rows(r: dict) -> tuple[list[str], list[list[str]]]:
-    rk = "exit layer" if r["row_kind"] == "exit_layer" else "skip ratio"
+    rk = {"exit_layer": "exit layer", "draft_bits": "draft bits"}.get(r["row_kind"], "skip ratio")
     head = [f"{rk} \\ K"] + [str(k) for k in r["num_speculations"]]
     best = r.get("best") or {}
     rows = []
