@@ -9,7 +9,8 @@ import torch
 
 import selfspec
 from selfspec.batch import BatchCosts, BatchEngine, BatchRequest
-from selfspec.batch.planner import plan
+from selfspec.batch import planner
+from selfspec.batch.planner import DRAFT_ROWS, measure_draft, plan
 from selfspec.config import DraftConfig, GenerationConfig, SamplingConfig
 from helpers import ar_generate, build_hf, prompts
 
@@ -170,11 +171,42 @@ def test_planner_drafts_when_rows_are_free_and_not_when_they_cost():
     free = BatchCosts({r: 1.0 for r in rows}, {r: 0.1 for r in rows})  # bandwidth-bound: rows cost nothing
     dear = BatchCosts({r: 0.2 * r for r in rows}, {r: 0.05 * r for r in rows})  # compute-bound
     seqs, caps = [_S(0.7), _S(0.2), _S(0.9)], [4, 4, 0]
-    assert plan(free, None, seqs, caps, [None] * 3, 0, 0) == [4, 4, 0]
-    assert plan(dear, None, seqs, caps, [None] * 3, 0, 0) == [0, 0, 0]
+    assert plan(free, seqs, caps, [None] * 3, 0, 0) == [4, 4, 0]
+    assert plan(dear, seqs, caps, [None] * 3, 0, 0) == [0, 0, 0]
     mid = BatchCosts({r: 1.0 + 0.05 * r for r in rows}, {r: 0.1 for r in rows})
-    k = plan(mid, None, seqs, caps, [None] * 3, 0, 0)
+    k = plan(mid, seqs, caps, [None] * 3, 0, 0)
     assert k[0] >= k[1] and k[2] == 0  # the better-accepted sequence drafts at least as much
+
+
+def test_planner_prices_self_drafts_by_their_measured_forward(monkeypatch):
+    """A self-draft's tokens cost its timed batched draft forward (per signature, measured
+    once), not a bytes-scaled guess: the same acceptance drafts when the forward is cheap and
+    not when it costs as much as the verification it would save."""
+    rows = (1, 2, 4, 8, 16, 32, 64, 128)
+    timed: list = []
+
+    def fake(draft_rt, exit_layer, head, skip_attn, skip_mlp):
+        timed.append(draft_rt)
+        per_row = {"cheap": 0.001, "dear": 0.5}[draft_rt]
+        return {r: per_row * r for r in DRAFT_ROWS}
+
+    monkeypatch.setattr(planner, "measure_draft", fake)
+    costs = BatchCosts({r: 1.0 for r in rows}, {r: 0.1 for r in rows})
+    seqs, caps = [_S(0.9), _S(0.9)], [4, 4]
+    cheap, dear = ("cheap", 8, None, frozenset(), frozenset()), ("dear", 8, None, frozenset(), frozenset())
+    assert plan(costs, seqs, caps, [cheap, cheap], 0, 0) == [4, 4]
+    assert plan(costs, seqs, caps, [dear, dear], 0, 0) == [0, 0]
+    assert timed == ["cheap", "dear"]  # once per signature
+    assert costs.draft_step(cheap, 3) == pytest.approx(costs.overhead + 0.003)
+
+
+def test_measure_draft_times_the_draft_forward():
+    m = _ideal("float32")
+    rt = m.runtime
+    q = m.resources.quantized(8)
+    got = measure_draft(q, rt.num_layers, None, repeats=1)
+    assert list(got) == list(DRAFT_ROWS) and all(t > 0 for t in got.values())
+    assert all(got[b] >= got[a] for a, b in zip(DRAFT_ROWS, DRAFT_ROWS[1:]))
 
 
 def test_generate_batch_api(zoo):

@@ -228,7 +228,7 @@ class BatchEngine:
         if self._costs is None:
             self._costs = batch_costs(self.rt)
         groups = [signature(s) if s.kind == "depth" else None for s in greedy]
-        ks = plan(self._costs, self.rt, greedy, caps, groups, sum(len(p.ids) for _, p in prefill),
+        ks = plan(self._costs, greedy, caps, groups, sum(len(p.ids) for _, p in prefill),
                   sum(p.logits != "none" for _, p in prefill))
         self.last_plan = ks
         for s, k, cap in zip(greedy, ks, caps):

@@ -13,7 +13,7 @@ over k_i in 0..cap_i, greedily: starting from k = 0, repeatedly grant the one ex
 token that raises the objective most, until none does. E[N] grows by alpha_i^(k_i+1) per
 token; t_verify comes from BatchCosts measured over total row counts (the per-sequence
 predictor.costs stops at 17 rows), and a self-draft's extra token costs the rows it adds
-to its group's draft forwards. Decisions never change output (every draft is verified);
+to its group's draft forwards (timed per draft signature on first use: measure_draft). Decisions never change output (every draft is verified);
 they are used for greedy decoding only (module sequence.py says why not when sampling).
 """
 
@@ -27,7 +27,6 @@ import numpy as np
 import torch
 
 from selfspec.cache import SegmentTable
-from selfspec.runtime import _nbytes
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -86,18 +85,51 @@ class BatchCosts:
         lr = rows if logit_rows is None else logit_rows
         return self.overhead + self._interp(self.layers, rows) + self._interp(self.head, lr)
 
-    def draft_step(self, rt, draft_rt, exit_layer: int, head, rows: int) -> float:
-        """One batched draft forward of `rows` sequences: layers 0..exit-1 of the draft runtime
-        (a quantized copy scaled by its bytes) and its draft head (scaled by bytes)."""
+    def draft_step(self, signature: tuple, rows: int) -> float:
+        """One batched draft forward of `rows` sequences with this draft signature (draft
+        runtime, exit layer, draft head, skip sets; batch.passes.signature), timed on first
+        use at DRAFT_ROWS, the very calls draft_depth makes. Measured, not scaled by bytes:
+        a quantized copy that reads half the bytes of bf16 is as dear per row once several
+        rows make its kernel compute-bound (about 2 ms a row for the int8 copy of the
+        default model on the 2-core reference machine, 4x the bytes-scaled estimate at 8 rows)."""
         if rows <= 0:
             return 0.0
-        key = (id(draft_rt), exit_layer, id(head))
+        key = tuple(id(x) if not isinstance(x, (int, frozenset, tuple)) else x for x in signature)
         if key not in self._draft_cache:
-            lb = sum(_nbytes(t) for L in draft_rt.layers for t in L.values()) / max(1, sum(_nbytes(t) for L in rt.layers for t in L.values()))
-            hb = _nbytes(head if head is not None else draft_rt.head) / max(1, _nbytes(rt.head))
-            self._draft_cache[key] = (lb * exit_layer / rt.num_layers, hb)
-        lf, hf = self._draft_cache[key]
-        return self.overhead + lf * self._interp(self.layers, rows) + hf * self._interp(self.head, rows)
+            self._draft_cache[key] = measure_draft(*signature)
+        return self.overhead + self._interp(self._draft_cache[key], rows)
+
+
+DRAFT_ROWS = (1, 2, 4, 8, 16, 32)
+
+
+def measure_draft(draft_rt, exit_layer: int, head, skip_attn=frozenset(), skip_mlp=frozenset(),
+                  repeats: int = 2, context: int = 64) -> dict[int, float]:
+    """Seconds of one batched draft forward at each DRAFT_ROWS row count (one row per
+    sequence, rows spread over up to 8 caches as passes.draft_depth spreads them)."""
+    clock, out = time.perf_counter, {}
+    caches = [draft_rt.new_cache(context + max(DRAFT_ROWS)) for _ in range(8)]
+    with torch.inference_mode():
+        for r in DRAFT_ROWS:
+            n = min(r, len(caches))
+            sizes = [r // n + (i < r % n) for i in range(n)]
+            table = SegmentTable([(c, context, s) for c, s in zip(caches, sizes)])
+            toks = torch.arange(r, device=draft_rt.device) % max(1, draft_rt.spec.vocab_size)
+
+            def fn():
+                h = draft_rt.run_layers_batch(draft_rt.embed(toks), 0, exit_layer, table, skip_attn, skip_mlp)
+                draft_rt.logits(h, head=head)
+
+            fn()
+            ts = []
+            for _ in range(repeats):
+                t0 = clock()
+                fn()
+                ts.append(clock() - t0)
+            out[r] = statistics.median(ts)
+    for a, b in zip(DRAFT_ROWS, DRAFT_ROWS[1:]):  # more rows never cost less
+        out[b] = max(out[b], out[a])
+    return out
 
 
 def expected_gain(alpha: float, k: int) -> float:
@@ -105,7 +137,7 @@ def expected_gain(alpha: float, k: int) -> float:
     return alpha ** (k + 1)
 
 
-def plan(costs: BatchCosts, rt, seqs: list, caps: list[int], groups: list, prefill_rows: int, prefill_logits: int) -> list[int]:
+def plan(costs: BatchCosts, seqs: list, caps: list[int], groups: list, prefill_rows: int, prefill_logits: int) -> list[int]:
     """Draft lengths k_i (0..caps[i]) maximising expected tokens per second of this step.
     groups[i]: None (free drafts) or the draft signature (draft_rt, exit, head, skips...) of sequence i.
     Each round grants the run of m >= 1 extra tokens to one sequence that raises the objective
@@ -121,7 +153,7 @@ def plan(costs: BatchCosts, rt, seqs: list, caps: list[int], groups: list, prefi
     def step_delta(g, j: int) -> float:
         steps = per_group.get(g, [])
         r = steps[j] if j < len(steps) else 0
-        return costs.draft_step(rt, *g[:3], r + 1) - costs.draft_step(rt, *g[:3], r)
+        return costs.draft_step(g, r + 1) - costs.draft_step(g, r)
 
     value = gain / (t_draft + t_verify(rows))
     while True:
