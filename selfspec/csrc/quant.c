@@ -115,7 +115,10 @@ static void q_act_row(const void *x, int x_bf16, long row, long K, int8_t *xq, f
 /* acc + per int32 lane: sum over its 4 bytes of (unsigned byte of a) * (signed byte of b) */
 static inline __m512i q_dpbusd(__m512i acc, __m512i a, __m512i b) {
 #ifdef __AVX512VNNI__
-    return _mm512_dpbusd_epi32(acc, a, b);
+    /* = _mm512_dpbusd_epi32(acc, a, b); inline asm keeps the accumulator in place (gcc 12 copies
+     * it around every intrinsic call: ~1 extra move per instruction in the inner loops) */
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    return acc;
 #else  /* exact: u8 * s8 products fit int16, vpmaddwd sums pairs into int32 without saturation */
     const __m512i lo = _mm512_set1_epi16(0x00FF);
     __m512i ae = _mm512_and_si512(a, lo), ao = _mm512_srli_epi16(a, 8);
@@ -148,6 +151,13 @@ static inline __attribute__((always_inline)) void q_tile_store(
     }
 }
 
+/* The accumulators of a tile (R rows x 4 slices of 16 columns, int32 per block, fp32 across
+ * blocks) do not all fit the 32 zmm registers with R = 4: a block's k rows (4 KB, in L1 after
+ * the first pass) are swept once per half tile (QJ = 2 slices, 32 columns), which keeps the
+ * int32 accumulators, weights and broadcasts of a pass in registers. Speed only: the sums are
+ * exact integers whatever the order. */
+#define QJ 2
+
 /* ---- int8 ---------------------------------------------------------------------------- */
 
 static inline __attribute__((always_inline)) void tile_q8(
@@ -158,24 +168,26 @@ static inline __attribute__((always_inline)) void tile_q8(
         for (int j = 0; j < 4; j++) yv[r][j] = _mm512_setzero_ps();
     for (long b = 0; b < nblk; b++) {
         long k40 = b * (QB / 4), k41 = k40 + QB / 4 < K4 ? k40 + QB / 4 : K4;
-        __m512i acc[QMR][4];
-        for (int r = 0; r < R; r++)
-            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_si512();
-        for (long k4 = k40; k4 < k41; k4++) {
-            const uint8_t *wk = wt + k4 * (QT * 4);
-            q_prefetch_row(wk + QPF * (QT * 4));
-            __m512i w[4];
-            for (int j = 0; j < 4; j++) w[j] = _mm512_loadu_si512((const void *)(wk + 64 * j));
-            for (int r = 0; r < R; r++) {
-                __m512i xb = q_bcast4(xq + r * KP + 4 * k4);
-                for (int j = 0; j < 4; j++) acc[r][j] = q_dpbusd(acc[r][j], w[j], xb);
+        for (int j0 = 0; j0 < 4; j0 += QJ) {
+            __m512i acc[QMR][QJ];
+            for (int r = 0; r < R; r++)
+                for (int j = 0; j < QJ; j++) acc[r][j] = _mm512_setzero_si512();
+            for (long k4 = k40; k4 < k41; k4++) {
+                const uint8_t *wk = wt + k4 * (QT * 4) + 64 * j0;
+                if (j0 == 0) q_prefetch_row(wk + QPF * (QT * 4));
+                __m512i w[QJ];
+                for (int j = 0; j < QJ; j++) w[j] = _mm512_loadu_si512((const void *)(wk + 64 * j));
+                for (int r = 0; r < R; r++) {
+                    __m512i xb = q_bcast4(xq + r * KP + 4 * k4);
+                    for (int j = 0; j < QJ; j++) acc[r][j] = q_dpbusd(acc[r][j], w[j], xb);
+                }
             }
-        }
-        for (int r = 0; r < R; r++) {
-            __m512i corr = _mm512_set1_epi32(128 * xs[r * nblk + b]);
-            __m512 sb = _mm512_set1_ps(sx[r * nblk + b]);
-            for (int j = 0; j < 4; j++)
-                yv[r][j] = _mm512_fmadd_ps(sb, _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][j], corr)), yv[r][j]);
+            for (int r = 0; r < R; r++) {
+                __m512i corr = _mm512_set1_epi32(128 * xs[r * nblk + b]);
+                __m512 sb = _mm512_set1_ps(sx[r * nblk + b]);
+                for (int j = 0; j < QJ; j++)
+                    yv[r][j0 + j] = _mm512_fmadd_ps(sb, _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][j], corr)), yv[r][j0 + j]);
+            }
         }
     }
     for (int j = 0; j < 4; j++) {
@@ -202,29 +214,31 @@ static inline __attribute__((always_inline)) void tile_q4(
     const __m512i nib = _mm512_set1_epi8(0x0F);
     for (long g = 0; g < nblk; g++) {
         long k80 = g * (QB / 8), k81 = k80 + QB / 8 < K8 ? k80 + QB / 8 : K8;
-        __m512i acc[QMR][4];
-        for (int r = 0; r < R; r++)
-            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_si512();
-        for (long k8 = k80; k8 < k81; k8++) {
-            const uint8_t *wk = wt + k8 * (QT * 4);
-            q_prefetch_row(wk + QPF * (QT * 4));
-            __m512i xl[QMR], xh[QMR];
-            for (int r = 0; r < R; r++) {
-                xl[r] = q_bcast4(xq + r * KP + 8 * k8);
-                xh[r] = q_bcast4(xq + r * KP + 8 * k8 + 4);
+        for (int j0 = 0; j0 < 4; j0 += QJ) {
+            __m512i acc[QMR][QJ];
+            for (int r = 0; r < R; r++)
+                for (int j = 0; j < QJ; j++) acc[r][j] = _mm512_setzero_si512();
+            for (long k8 = k80; k8 < k81; k8++) {
+                const uint8_t *wk = wt + k8 * (QT * 4) + 64 * j0;
+                if (j0 == 0) q_prefetch_row(wk + QPF * (QT * 4));
+                __m512i lo[QJ], hi[QJ];
+                for (int j = 0; j < QJ; j++) {
+                    __m512i v = _mm512_loadu_si512((const void *)(wk + 64 * j));
+                    lo[j] = _mm512_and_si512(v, nib);
+                    hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+                }
+                for (int r = 0; r < R; r++) {
+                    __m512i xl = q_bcast4(xq + r * KP + 8 * k8), xh = q_bcast4(xq + r * KP + 8 * k8 + 4);
+                    for (int j = 0; j < QJ; j++) acc[r][j] = q_dpbusd(q_dpbusd(acc[r][j], lo[j], xl), hi[j], xh);
+                }
             }
-            for (int j = 0; j < 4; j++) {
-                __m512i v = _mm512_loadu_si512((const void *)(wk + 64 * j));
-                __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-                for (int r = 0; r < R; r++) acc[r][j] = q_dpbusd(q_dpbusd(acc[r][j], lo, xl[r]), hi, xh[r]);
-            }
-        }
-        for (int j = 0; j < 4; j++) {
-            __m512 sc = load_h16(s + g * N + n0 + 16 * j, mk[j]);
-            __m512 nz = _mm512_sub_ps(_mm512_setzero_ps(), load_h16(z + g * N + n0 + 16 * j, mk[j]));
-            for (int r = 0; r < R; r++) {
-                __m512 t = _mm512_fmadd_ps(nz, _mm512_set1_ps((float)xs[r * nblk + g]), _mm512_cvtepi32_ps(acc[r][j]));
-                yv[r][j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(sx[r * nblk + g]), sc), t, yv[r][j]);
+            for (int j = 0; j < QJ; j++) {
+                __m512 sc = load_h16(s + g * N + n0 + 16 * (j0 + j), mk[j0 + j]);
+                __m512 nz = _mm512_sub_ps(_mm512_setzero_ps(), load_h16(z + g * N + n0 + 16 * (j0 + j), mk[j0 + j]));
+                for (int r = 0; r < R; r++) {
+                    __m512 t = _mm512_fmadd_ps(nz, _mm512_set1_ps((float)xs[r * nblk + g]), _mm512_cvtepi32_ps(acc[r][j]));
+                    yv[r][j0 + j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(sx[r * nblk + g]), sc), t, yv[r][j0 + j]);
+                }
             }
         }
     }
