@@ -152,11 +152,12 @@ static inline __attribute__((always_inline)) void q_tile_store(
 }
 
 /* The accumulators of a tile (R rows x 4 slices of 16 columns, int32 per block, fp32 across
- * blocks) do not all fit the 32 zmm registers with R = 4: a block's k rows (4 KB, in L1 after
- * the first pass) are swept once per half tile (QJ = 2 slices, 32 columns), which keeps the
- * int32 accumulators, weights and broadcasts of a pass in registers. Speed only: the sums are
- * exact integers whatever the order. */
-#define QJ 2
+ * blocks) and int4's unpacked nibbles do not all fit the 32 zmm registers with R >= 3: there
+ * int4 sweeps a block's k rows (2 KB, in L1 after the first pass) once per half tile (2 slices,
+ * 32 columns). int8 fits (the fp32 sums live in memory between blocks) and makes one pass.
+ * Speed only: the sums are exact integers whatever the order. */
+#define QJ_INT8 4
+#define QJ_INT4(R) ((R) >= 3 ? 2 : 4)
 
 /* ---- int8 ---------------------------------------------------------------------------- */
 
@@ -166,26 +167,27 @@ static inline __attribute__((always_inline)) void tile_q8(
     __m512 yv[QMR][4];
     for (int r = 0; r < R; r++)
         for (int j = 0; j < 4; j++) yv[r][j] = _mm512_setzero_ps();
+    const int J = QJ_INT8;
     for (long b = 0; b < nblk; b++) {
         long k40 = b * (QB / 4), k41 = k40 + QB / 4 < K4 ? k40 + QB / 4 : K4;
-        for (int j0 = 0; j0 < 4; j0 += QJ) {
-            __m512i acc[QMR][QJ];
+        for (int j0 = 0; j0 < 4; j0 += J) {
+            __m512i acc[QMR][4];
             for (int r = 0; r < R; r++)
-                for (int j = 0; j < QJ; j++) acc[r][j] = _mm512_setzero_si512();
+                for (int j = 0; j < J; j++) acc[r][j] = _mm512_setzero_si512();
             for (long k4 = k40; k4 < k41; k4++) {
                 const uint8_t *wk = wt + k4 * (QT * 4) + 64 * j0;
                 if (j0 == 0) q_prefetch_row(wk + QPF * (QT * 4));
-                __m512i w[QJ];
-                for (int j = 0; j < QJ; j++) w[j] = _mm512_loadu_si512((const void *)(wk + 64 * j));
+                __m512i w[4];
+                for (int j = 0; j < J; j++) w[j] = _mm512_loadu_si512((const void *)(wk + 64 * j));
                 for (int r = 0; r < R; r++) {
                     __m512i xb = q_bcast4(xq + r * KP + 4 * k4);
-                    for (int j = 0; j < QJ; j++) acc[r][j] = q_dpbusd(acc[r][j], w[j], xb);
+                    for (int j = 0; j < J; j++) acc[r][j] = q_dpbusd(acc[r][j], w[j], xb);
                 }
             }
             for (int r = 0; r < R; r++) {
                 __m512i corr = _mm512_set1_epi32(128 * xs[r * nblk + b]);
                 __m512 sb = _mm512_set1_ps(sx[r * nblk + b]);
-                for (int j = 0; j < QJ; j++)
+                for (int j = 0; j < J; j++)
                     yv[r][j0 + j] = _mm512_fmadd_ps(sb, _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][j], corr)), yv[r][j0 + j]);
             }
         }
@@ -212,27 +214,28 @@ static inline __attribute__((always_inline)) void tile_q4(
     __mmask16 mk[4];
     for (int j = 0; j < 4; j++) mk[j] = qlanes(N - (n0 + 16 * j));
     const __m512i nib = _mm512_set1_epi8(0x0F);
+    const int J = QJ_INT4(R);
     for (long g = 0; g < nblk; g++) {
         long k80 = g * (QB / 8), k81 = k80 + QB / 8 < K8 ? k80 + QB / 8 : K8;
-        for (int j0 = 0; j0 < 4; j0 += QJ) {
-            __m512i acc[QMR][QJ];
+        for (int j0 = 0; j0 < 4; j0 += J) {
+            __m512i acc[QMR][4];
             for (int r = 0; r < R; r++)
-                for (int j = 0; j < QJ; j++) acc[r][j] = _mm512_setzero_si512();
+                for (int j = 0; j < J; j++) acc[r][j] = _mm512_setzero_si512();
             for (long k8 = k80; k8 < k81; k8++) {
                 const uint8_t *wk = wt + k8 * (QT * 4) + 64 * j0;
                 if (j0 == 0) q_prefetch_row(wk + QPF * (QT * 4));
-                __m512i lo[QJ], hi[QJ];
-                for (int j = 0; j < QJ; j++) {
+                __m512i lo[4], hi[4];
+                for (int j = 0; j < J; j++) {
                     __m512i v = _mm512_loadu_si512((const void *)(wk + 64 * j));
                     lo[j] = _mm512_and_si512(v, nib);
                     hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
                 }
                 for (int r = 0; r < R; r++) {
                     __m512i xl = q_bcast4(xq + r * KP + 8 * k8), xh = q_bcast4(xq + r * KP + 8 * k8 + 4);
-                    for (int j = 0; j < QJ; j++) acc[r][j] = q_dpbusd(q_dpbusd(acc[r][j], lo[j], xl), hi[j], xh);
+                    for (int j = 0; j < J; j++) acc[r][j] = q_dpbusd(q_dpbusd(acc[r][j], lo[j], xl), hi[j], xh);
                 }
             }
-            for (int j = 0; j < QJ; j++) {
+            for (int j = 0; j < J; j++) {
                 __m512 sc = load_h16(s + g * N + n0 + 16 * (j0 + j), mk[j0 + j]);
                 __m512 nz = _mm512_sub_ps(_mm512_setzero_ps(), load_h16(z + g * N + n0 + 16 * (j0 + j), mk[j0 + j]));
                 for (int r = 0; r < R; r++) {
