@@ -8,7 +8,7 @@ Both quantizers pick, per column (int8) or per (group, column) (int4), the clipp
 grid that minimises the squared error of the dequantised weights (MSE clipping); plain absmax /
 min-max is the grid's first point, so the search can only do better. The result is a
 kernels.QuantizedWeight, multiplied without being dequantised in memory (csrc/quant.c: the
-activations are quantized to int8 per row in blocks of 64 k and the products summed with integer
+activations are quantized to int8 per row in blocks of 32 k and the products summed with integer
 dot products, VNNI vpdpbusd).
 
 Layouts (csrc/quant.c), 64-column tiles, NB = ceil(N / 64):
@@ -24,7 +24,7 @@ import torch
 from selfspec.kernels import QuantizedWeight, quant_errors
 
 TILE = 64  # columns per tile (csrc/quant.c)
-INT4_GROUP = 64  # rows per int4 group = the kernel's activation block QB (csrc/quant.c): 0.5625 bytes a weight (0.28x bf16)
+INT4_GROUP = 64  # rows per int4 group, the kernel's QG (csrc/quant.c): 0.5625 bytes a weight (0.28x bf16)
 INT8_CLIPS = tuple(1.0 - 0.025 * i for i in range(13))  # absmax x 1.0 .. 0.7
 INT4_CLIPS = tuple(1.0 - 0.05 * i for i in range(10))  # range x 1.0 .. 0.55
 

@@ -104,11 +104,16 @@ def test_dequantize_inverts_the_packing(bits, k, n):
 
 
 def _activation_blocks(x: torch.Tensor) -> torch.Tensor:
-    """absmax of x [M, K] per block of 64 k, broadcast back to [M, K] (the kernels' QB)."""
+    """absmax of x [M, K] per activation block of the kernels (csrc/quant.c QB consecutive k),
+    broadcast back to [M, K]."""
+    from selfspec.kernels import build
+    build._load()
+    qb = build._blocks["dll"].selfspec_quant_block()
+    assert qb in (32, 64) and quant.INT4_GROUP % qb == 0
     m, k = x.shape
-    nb = (k + 63) // 64
-    xp = torch.cat([x.abs(), x.new_zeros(m, nb * 64 - k)], 1).view(m, nb, 64).amax(2)
-    return xp.repeat_interleave(64, 1)[:, :k]
+    nb = (k + qb - 1) // qb
+    xp = torch.cat([x.abs(), x.new_zeros(m, nb * qb - k)], 1).view(m, nb, qb).amax(2)
+    return xp.repeat_interleave(qb, 1)[:, :k]
 
 
 @needs_kernels
@@ -119,7 +124,8 @@ def test_kernel_bits_match_the_scalar_chain(bits, k, n):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(20, k, generator=g)
     x[0, 0] = 1e-40  # a denormal input
-    x[1, : min(k, 64)] = 0.0  # a block of zeros: sx = 0
+    x[1, : min(k, 32)] = 0.0  # a block of zeros: sx = 0
+    x[4, 32:64] = 0.0
     x[2, :] *= 1e-3
     x[3, -1] = 50.0  # an outlier in the last (short) block
     ref = kernels._qgemm_ref(x, qw)
@@ -184,3 +190,31 @@ def test_degenerate_columns_stay_finite(bits):
     qw = quant.quantize(w, bits)
     assert torch.isfinite(qw.scale.float()).all() and (qw.zero is None or torch.isfinite(qw.zero.float()).all())
     assert (qw.dequantize() - w).abs().max() < 2e-4
+
+
+@needs_kernels
+def test_the_avx512bw_fallback_gives_the_same_bits(tmp_path):
+    """Without AVX512-VNNI (csrc/quant.c compiled with -mno-avx512vnni) vpdpbusd is emulated
+    with AVX512BW: exact integer sums, hence the very same bits."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    from selfspec.kernels import build
+    cc = shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no gcc")
+    src = build._SRCS[[p.name for p in build._SRCS].index("quant.c")]
+    lib = tmp_path / "quant_bw.so"
+    subprocess.run([cc, "-O3", "-march=native", "-mno-avx512vnni", "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(lib)],
+                   check=True, capture_output=True, timeout=120)
+    fn = ctypes.CDLL(str(lib)).selfspec_qgemm
+    fn.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    g = torch.Generator().manual_seed(7)
+    for bits in (8, 4):
+        for k, n in ((640, 1536), (200, 72), (643, 129)):
+            qw = quant.quantize(_w(k, n, seed=8), bits)
+            x = torch.randn(9, k, generator=g)
+            y = torch.empty(9, n)
+            assert fn(9, x.data_ptr(), 0, ctypes.addressof(qw.desc), y.data_ptr(), 0, 2) == 0
+            assert torch.equal(y, kernels.matmul(x, qw)), (bits, k, n)
