@@ -55,9 +55,6 @@
 #endif
 #define QG 64  /* int4 group (rows): selfspec/quant.py INT4_GROUP */
 #define QMR 4  /* rows per register block */
-#ifndef QPF
-#define QPF 4  /* prefetch distance in 256-byte k rows */
-#endif
 
 typedef struct {
     const void *q;       /* see the layouts above */
@@ -137,10 +134,6 @@ static inline __m512i q_bcast4(const int8_t *p) {  /* 4 bytes of xq to every int
     return _mm512_set1_epi32(v);
 }
 
-static inline void q_prefetch_row(const uint8_t *p) {  /* one 256-byte k row */
-    for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(p + 64 * i), _MM_HINT_T0);
-}
-
 /* rows m0..m0+R-1 (their xq rows at xq + r * KP, sx/xs at + r * nblk) of a 64-column tile: out */
 static inline __attribute__((always_inline)) void q_tile_store(
     const int R, __m512 yv[QMR][4], void *y, int y_bf16, long ldy, long m0, long n0, long N) {
@@ -160,7 +153,8 @@ static inline __attribute__((always_inline)) void q_tile_store(
  * blocks) and int4's unpacked nibbles do not all fit the 32 zmm registers with R >= 3: there
  * int4 sweeps a block's k rows (2 KB, in L1 after the first pass) once per half tile (2 slices,
  * 32 columns). int8 fits (the fp32 sums live in memory between blocks) and makes one pass.
- * Speed only: the sums are exact integers whatever the order. */
+ * Speed only: the sums are exact integers whatever the order. No software prefetch: the
+ * weights stream in address order and the hardware prefetcher does better alone (measured). */
 #define QJ_INT8 4
 #define QJ_INT4(R) ((R) >= 3 ? 2 : 4)
 
@@ -181,7 +175,6 @@ static inline __attribute__((always_inline)) void tile_q8(
                 for (int j = 0; j < J; j++) acc[r][j] = _mm512_setzero_si512();
             for (long k4 = k40; k4 < k41; k4++) {
                 const uint8_t *wk = wt + k4 * (QT * 4) + 64 * j0;
-                if (j0 == 0) q_prefetch_row(wk + QPF * (QT * 4));
                 __m512i w[4];
                 for (int j = 0; j < J; j++) w[j] = _mm512_loadu_si512((const void *)(wk + 64 * j));
                 for (int r = 0; r < R; r++) {
@@ -229,7 +222,6 @@ static inline __attribute__((always_inline)) void tile_q4(
                 for (int j = 0; j < J; j++) acc[r][j] = _mm512_setzero_si512();
             for (long k8 = k80; k8 < k81; k8++) {
                 const uint8_t *wk = wt + k8 * (QT * 4) + 64 * j0;
-                if (j0 == 0) q_prefetch_row(wk + QPF * (QT * 4));
                 __m512i lo[4], hi[4];
                 for (int j = 0; j < J; j++) {
                     __m512i v = _mm512_loadu_si512((const void *)(wk + 64 * j));
