@@ -218,3 +218,19 @@ def test_the_avx512bw_fallback_gives_the_same_bits(tmp_path):
             y = torch.empty(9, n)
             assert fn(9, x.data_ptr(), 0, ctypes.addressof(qw.desc), y.data_ptr(), 0, 2) == 0
             assert torch.equal(y, kernels.matmul(x, qw)), (bits, k, n)
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [8, 4])
+def test_nan_and_inf_activations_follow_the_reference(bits):
+    """The vector activation quantizer treats NaN and inf as the scalar one does (a NaN never
+    wins the block's absmax and quantizes to -127; an inf block has sx = inf)."""
+    qw = quant.quantize(_w(100, 70, seed=9), bits)
+    x = torch.randn(4, 100, generator=torch.Generator().manual_seed(10))
+    x[0, 3] = float("nan")
+    x[1, 40] = float("inf")
+    x[2, 70] = -float("inf")
+    for xx in (x, x.bfloat16()):
+        y = kernels.matmul(xx, qw).float()
+        torch.testing.assert_close(y, kernels._qgemm_ref(xx.float(), qw).to(xx.dtype).float(), rtol=0, atol=0, equal_nan=True)
+        assert torch.isfinite(y[3]).all()

@@ -87,7 +87,7 @@ static inline float q_load_x(const void *x, int x_bf16, long i) {
 }
 
 /* One row's activation quantization (the specification above): x row (K values) ->
- * xq [nblk * QB] (zero padded), sx [nblk], xs [nblk]. Scalar: M * K work, next to N * K. */
+ * xq [nblk * QB] (zero padded), sx [nblk], xs [nblk]. Scalar (the reference's). */
 static void q_act_row(const void *x, int x_bf16, long row, long K, int8_t *xq, float *sx, int32_t *xs) {
     long nblk = (K + QB - 1) / QB;
     for (long b = 0; b < nblk; b++) {
@@ -111,6 +111,42 @@ static void q_act_row(const void *x, int x_bf16, long row, long K, int8_t *xq, f
         }
         sx[b] = s;
         xs[b] = sum;
+    }
+}
+
+/* q_act_row with AVX-512, the same operations lane by lane (max never taking a NaN, one IEEE
+ * division, round half to even, the clamp sending NaN to -127): the same bits, 16 k at a time. */
+static void q_act_row_v(const void *x, int x_bf16, long row, long K, int8_t *xq, float *sx, int32_t *xs) {
+    long nblk = (K + QB - 1) / QB;
+    const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    for (long b = 0; b < nblk; b++) {
+        long k0 = b * QB, k1 = k0 + QB < K ? k0 + QB : K;
+        __m512 v[QB / 16];
+        __m512 amax = _mm512_setzero_ps();
+        for (int i = 0; i < QB / 16; i++) {
+            __mmask16 mk = qlanes(k1 - (k0 + 16 * i));
+            if (x_bf16) {
+                __m256i h = _mm256_maskz_loadu_epi16(mk, (const uint16_t *)x + row * K + k0 + 16 * i);
+                v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+            } else {
+                v[i] = _mm512_maskz_loadu_ps(mk, (const float *)x + row * K + k0 + 16 * i);
+            }
+            amax = _mm512_max_ps(_mm512_abs_ps(v[i]), amax);  /* a NaN lane keeps amax */
+        }
+        float m = _mm512_reduce_max_ps(amax);
+        float s = m / 127.0f;
+        __m512i sum = _mm512_setzero_si512();
+        for (int i = 0; i < QB / 16; i++) {
+            __m512i q = _mm512_setzero_si512();
+            if (s != 0.0f) {
+                __m512 r = _mm512_roundscale_ps(_mm512_div_ps(v[i], _mm512_set1_ps(s)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                q = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));  /* max(NaN, -127) = -127 */
+            }
+            sum = _mm512_add_epi32(sum, q);
+            _mm_storeu_si128((__m128i *)(xq + k0 + 16 * i), _mm512_cvtepi32_epi8(q));
+        }
+        sx[b] = s;
+        xs[b] = _mm512_reduce_add_epi32(sum);
     }
 }
 
@@ -278,7 +314,7 @@ int selfspec_qgemm(long M, const void *x, int x_bf16, const void *wd, void *y, i
     float *sx = (float *)buf;
     int32_t *xs = (int32_t *)(buf + (size_t)M * nblk * 4);
     int8_t *xq = (int8_t *)(buf + (size_t)M * nblk * 8);
-    for (long m = 0; m < M; m++) q_act_row(x, x_bf16, m, K, xq + m * KP, sx + m * nblk, xs + m * nblk);
+    for (long m = 0; m < M; m++) q_act_row_v(x, x_bf16, m, K, xq + m * KP, sx + m * nblk, xs + m * nblk);
     long ntiles = (N + QT - 1) / QT;
     int nt = q_team(ntiles, nthreads);
     const long K4 = (K + 3) / 4, K8 = (K + 7) / 8;
