@@ -2,7 +2,7 @@
 
 A decode step's LM head is one row times a [640, 262144] matrix: pure weight streaming. For
 each format (bf16 pairs as the verifier uses it, int8 per channel, int4 groups of 64) this
-times M = 1 (a draft token) and M = 5 (a K = 4 verification) and reports GB/s of weight bytes
+times M = 1 (a draft token), M = 5 (a K = 4 verification) and M = 8 (a batch drafting together) and reports GB/s of weight bytes
 read, against the machine's read bandwidth (a large tensor summed: bytes read per second).
 Target (quantized-drafting issue): the int8 head at >= 80% of the read bandwidth.
 
@@ -48,6 +48,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", default="1,5,8", help="M values (rows) to time")
     ap.add_argument("--out", default="results/quant_kernels.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -59,7 +60,7 @@ def main() -> None:
     rows = []
     for name, head in heads.items():
         nbytes = head.nbytes if hasattr(head, "nbytes") else w.numel() * 2
-        for M in (1, 5):
+        for M in map(int, args.rows.split(",")):
             x = torch.randn(M, w.shape[0]).to(rt.dtype)
             kernels.matmul(x, head)
             times = [_timed(lambda: kernels.matmul(x, head)) for _ in range(args.repeats)]

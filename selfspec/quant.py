@@ -7,7 +7,14 @@
 Both quantizers pick, per column (int8) or per (group, column) (int4), the clipping range from a
 grid that minimises the squared error of the dequantised weights (MSE clipping); plain absmax /
 min-max is the grid's first point, so the search can only do better. The result is a
-kernels.QuantizedWeight, multiplied without being dequantised in memory (csrc/quant.c).
+kernels.QuantizedWeight, multiplied without being dequantised in memory (csrc/quant.c: the
+activations are quantized to int8 per row in blocks of 32 k and the products summed with integer
+dot products, VNNI vpdpbusd).
+
+Layouts (csrc/quant.c), 64-column tiles, NB = ceil(N / 64):
+    int8: u = q + 128 as [NB, ceil(K/4), 64, 4] uint8: 4 consecutive k of a column side by side
+    int4: [NB, ceil(K/8), 64, 4] bytes: byte i of column c in k-row j holds u[8j + i] (low nibble)
+          and u[8j + 4 + i] (high nibble)
 """
 
 from __future__ import annotations
@@ -17,18 +24,31 @@ import torch
 from selfspec.kernels import QuantizedWeight, quant_errors
 
 TILE = 64  # columns per tile (csrc/quant.c)
-INT4_GROUP = 64  # rows per int4 group: 0.5625 bytes a weight (0.28x bf16); group 32 agrees no better on the default model
+INT4_GROUP = 64  # rows per int4 group, the kernel's QG (csrc/quant.c): 0.5625 bytes a weight (0.28x bf16)
 INT8_CLIPS = tuple(1.0 - 0.025 * i for i in range(13))  # absmax x 1.0 .. 0.7
 INT4_CLIPS = tuple(1.0 - 0.05 * i for i in range(10))  # range x 1.0 .. 0.55
 
 
-def _tiles(q: torch.Tensor) -> torch.Tensor:
-    """[K, N] -> [ceil(N/64), K, 64] (zero padded): each tile of columns one contiguous stream."""
+def _pack8(q: torch.Tensor) -> torch.Tensor:
+    """int8 q [K, N] -> u = q + 128 as [ceil(N/64), ceil(K/4), 64, 4] uint8 (padding 128: q = 0):
+    each tile of columns one contiguous stream, 4 consecutive k of a column side by side (one
+    int32 lane of vpdpbusd)."""
     k, n = q.shape
-    nb = (n + TILE - 1) // TILE
-    padded = q.new_zeros(k, nb * TILE)
-    padded[:, :n] = q
-    return padded.view(k, nb, TILE).permute(1, 0, 2).contiguous()
+    nb, k4 = (n + TILE - 1) // TILE, (k + 3) // 4
+    padded = torch.full((k4 * 4, nb * TILE), 128, dtype=torch.uint8)
+    padded[:k, :n] = (q.to(torch.int16) + 128).to(torch.uint8)
+    return padded.view(k4, 4, nb, TILE).permute(2, 0, 3, 1).contiguous()
+
+
+def _pack4(u: torch.Tensor) -> torch.Tensor:
+    """u [K, N] in 0..15 -> [ceil(N/64), ceil(K/8), 64, 4] bytes (padding 0): byte i of column c
+    in k-row j holds u[8j + i, c] (low nibble) and u[8j + 4 + i, c] (high nibble)."""
+    k, n = u.shape
+    nb, k8 = (n + TILE - 1) // TILE, (k + 7) // 8
+    padded = torch.zeros(k8 * 8, nb * TILE, dtype=torch.uint8)
+    padded[:k, :n] = u
+    p = padded.view(k8, 2, 4, nb, TILE)
+    return (p[:, 0] | (p[:, 1] << 4)).permute(2, 0, 3, 1).contiguous()
 
 
 def _errors(w: torch.Tensor, group: int, s: torch.Tensor, z: torch.Tensor | None, lo: float, hi: float) -> torch.Tensor:
@@ -58,12 +78,13 @@ def quantize_int8(w: torch.Tensor, clips: tuple[float, ...] = INT8_CLIPS) -> Qua
     best = _errors(w, k, cand, None, -127, 127)[:, 0].argmin(0)  # [N]; ties: the first (widest) candidate
     s = cand[:, 0].gather(0, best[None])[0]
     q = torch.round(w / s).clamp(-127, 127).to(torch.int8)
-    return QuantizedWeight(_tiles(q), s, None, k, n, bits=8)
+    return QuantizedWeight(_pack8(q), s, None, k, n, bits=8)
 
 
 def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP, clips: tuple[float, ...] = INT4_CLIPS) -> QuantizedWeight:
     """w [K, N] -> int4 in groups of `group` rows with a real zero point per (group, column);
-    the [min, max] range is shrunk around its centre by the grid factor that minimises the MSE."""
+    the [min, max] range is shrunk around its centre by the grid factor that minimises the MSE.
+    The kernel needs group == INT4_GROUP (its activation block); others only dequantize()."""
     w = w.detach().float()
     k, n = w.shape
     ng = (k + group - 1) // group
@@ -77,9 +98,7 @@ def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP, clips: tuple[float, 
     best = _errors(w, group, s, z, 0, 15).argmin(0)[None]  # [1, G, N]
     best_s, best_z = s.gather(0, best)[0], z.gather(0, best)[0]
     u = torch.round(wg / best_s[:, None] + best_z[:, None]).clamp(0, 15).view(ng * group, n)[:k].to(torch.uint8)
-    t = _tiles(u)  # [NB, K, 64]
-    packed = (t[..., :32] | (t[..., 32:] << 4)).contiguous()  # column c (low nibble) and c + 32 (high) share a byte
-    return QuantizedWeight(packed, best_s, best_z, k, n, bits=4, group=group)
+    return QuantizedWeight(_pack4(u), best_s, best_z, k, n, bits=4, group=group)
 
 
 def quantize(w: torch.Tensor, bits: int, group: int = INT4_GROUP) -> QuantizedWeight:

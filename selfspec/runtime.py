@@ -207,6 +207,8 @@ class Runtime:
         if not self.uses_kernels:
             raise SelfSpecError("quantized drafting needs selfspec's CPU kernels (x86-64 with AVX-512); "
                                 f"they are unavailable here ({kernels.load_error() or self.device.type})")
+        if bits == 4 and group != INT4_GROUP:
+            raise ValueError(f"int4 copies use groups of {INT4_GROUP} rows (the kernel's activation block), got {group}")
         made = made or {}
 
         def copy_of(i: int, k: str):

@@ -1,25 +1,44 @@
 /* Weight-only quantized matmuls for drafting with a low-bit copy of the model's own weights:
  *
- *   y[m, n] = sum_k x[m, k] * w[k, n],   w = dequant(q) never materialised
+ *   y[m, n] ~ sum_k x[m, k] * w[k, n],   w = dequant(q) never materialised
  *
- * int8 (per output channel):  w[k, n] = s[n] * q[k, n],            q in -127..127
- *   chain: acc = +0; for k = 0..K-1: acc = fmaf(x[m, k], (float)q[k, n], acc);  y = acc * s[n]
- * int4 (groups of G rows, asymmetric): w[k, n] = s[g, n] * (u[k, n] - z[g, n]), u in 0..15,
- *   s and z stored as fp16 (exactly the values the quantizer used),
- *   g = k / G; per group: acc = +0; xs = +0; for k in g (increasing):
- *         acc = fmaf(x[m, k], (float)u[k, n], acc); xs = xs + x[m, k]
- *   then y = fmaf(s[g, n], fmaf(-z[g, n], xs, acc), y), groups in increasing order (y starts at +0).
+ * Integer dot products (AVX512-VNNI vpdpbusd: 4 unsigned bytes x 4 signed bytes summed into an
+ * int32 lane) do the work, so the activations are quantized too, per row, in blocks of QB = 32
+ * consecutive k (block b = k in 32b..32b+31, the last one short; QB is a compile-time constant,
+ * 32 or 64: 64 agrees ~2 points less often with the full model on gemma-3-270m):
  *
- * As in gemm.c, every output element is one fixed chain computed alone: row m's result is the
- * same bits whatever M, the thread count (threads split N only) or the row blocking, and the
- * scalar references below compute the very same chains. Dequantisation happens in registers:
- * the weights stream at 1 (int8) or 1/2 (int4) byte per element instead of 2 (bf16).
+ *   amax = max |x[m, k]| over the block (x: bf16 or fp32, widened to fp32 exactly)
+ *   sx[m, b] = amax / 127.0f                                 (one fp32 division)
+ *   xq[m, k] = clamp(rne(x[m, k] / sx[m, b]), -127, 127)      (one fp32 division, round half to
+ *              even; NaN clamps to -127); a block with sx == 0 (all zeros, or amax so tiny that
+ *              amax / 127 underflows) has xq = 0; k beyond K: xq = 0
+ *   xs[m, b] = sum of xq[m, k] over the block                 (int32, exact)
  *
- * Layouts (64-column tiles, NB = ceil(N / 64), zero padded):
- *   int8: q [NB][K][64] int8
- *   int4: q [NB][K][32] bytes: byte j of a tile row holds column j (low nibble) and column
- *         j + 32 (high nibble), so one 16-byte load gives columns j..j+15 and j+32..j+47
- *   s, z: fp32 [N] (int8) / fp16 [ceil(K / G)][N] (int4)
+ * int8 (per output channel): w[k, n] = s[n] * q[k, n], q in -127..127, stored as u = q + 128.
+ *   per block b:  acc = sum over k in b of u[k, n] * xq[m, k]             (int32, exact)
+ *                 y = fmaf(sx[m, b], (float)(acc - 128 * xs[m, b]), y)     (blocks in increasing
+ *                 order, y starting at +0.0f); then y = y * s[n]
+ * int4 (groups of QG = 64 rows, asymmetric): w[k, n] = s[g, n] * (u[k, n] - z[g, n]), u in 0..15,
+ *   s and z fp16 (exactly the values the quantizer used); a group holds QG / QB whole blocks,
+ *   each block b taking the (s, z) of its group g = b * QB / QG:
+ *   per block b:  acc = sum over k in b of u[k, n] * xq[m, k]             (int32, exact)
+ *                 t = fmaf(-z[g, n], (float)xs[m, b], (float)acc)
+ *                 y = fmaf(sx[m, b] * s[g, n], t, y)   (sx * s: one fp32 product; blocks in
+ *                 increasing order, y starting at +0.0f)
+ * The int32 sums are exact (|acc| <= QB * 255 * 127 < 2^24, so (float) is exact too): the order
+ * inside a block cannot matter, and row m's bits are the same whatever M, the row blocking or
+ * the thread count (threads split N only). selfspec_qgemm_ref computes the same chains in
+ * scalar C. Output fp32, or bf16 rounded once from fp32 (nearest even).
+ * Without AVX512-VNNI, vpdpbusd is emulated exactly with AVX512BW (vpmaddwd on bytes widened to
+ * 16 bits: no saturation): the same bits.
+ *
+ * Layouts (64-column tiles, NB = ceil(N / 64); a 64-byte load = 16 columns x 4 bytes, one int32
+ * lane of vpdpbusd per column):
+ *   int8: u [NB][K4][64][4] uint8, K4 = ceil(K / 4): byte i of column c in k-row j is u[4j + i, c];
+ *         padding (k >= K, n >= N) is 128 (q = 0; k padding meets xq = 0 anyway)
+ *   int4: [NB][K8][64][4] bytes, K8 = ceil(K / 8): byte i of column c in k-row j holds
+ *         u[8j + i, c] (low nibble) and u[8j + 4 + i, c] (high nibble); padding 0
+ *   s, z: fp32 [N] (int8) / fp16 [ceil(K / 64)][N] (int4)
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -31,17 +50,18 @@
 #endif
 
 #define QT 64  /* columns per tile */
-#define QMR 4  /* rows per register block */
-#ifndef QPF
-#define QPF 8  /* prefetch distance in k rows */
+#ifndef QB
+#define QB 32  /* activation block (k): 32 or 64, dividing the int4 group */
 #endif
+#define QG 64  /* int4 group (rows): selfspec/quant.py INT4_GROUP */
+#define QMR 4  /* rows per register block */
 
 typedef struct {
     const void *q;       /* see the layouts above */
     const void *scale;   /* int8: fp32 [N]; int4: fp16 [G][N] */
     const void *zero;    /* int4: fp16 [G][N] (in quantized units); NULL for int8 */
     long in_features, out_features;
-    long group;          /* int4: rows per group; int8: unused */
+    long group;          /* int4: rows per group (must be QG); int8: unused */
     int bits;            /* 8 or 4 */
 } ss_qweight;
 
@@ -59,90 +79,100 @@ static inline void q_store(void *y, int y_bf16, long off, float v) {
     if (y_bf16) ((uint16_t *)y)[off] = q_f32_to_bf16(v); else ((float *)y)[off] = v;
 }
 
-/* ---- int8 ---------------------------------------------------------------------------- */
-
-static inline __attribute__((always_inline)) void tile_q8(
-    const int R, long K, const float *xr, const int8_t *wt, const float *s,
-    void *y, int y_bf16, long ldy, long m0, long n0, long N) {
-    __m512 acc[QMR][4];
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
-    for (long k = 0; k < K; k++) {
-        const int8_t *wk = wt + k * QT;
-        _mm_prefetch((const char *)(wk + QPF * QT), _MM_HINT_T0);
-        __m512 w[4];
-        for (int j = 0; j < 4; j++)
-            w[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wk + 16 * j))));
-        for (int r = 0; r < R; r++) {
-            __m512 xb = _mm512_set1_ps(xr[r * K + k]);
-            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_fmadd_ps(xb, w[j], acc[r][j]);
-        }
-    }
-    for (int j = 0; j < 4; j++) {
-        long c0 = n0 + 16 * j;
-        if (c0 >= N) break;
-        __mmask16 mk = qlanes(N - c0);
-        __m512 sc = _mm512_maskz_loadu_ps(mk, s + c0);
-        for (int r = 0; r < R; r++) {
-            float out[16];
-            _mm512_storeu_ps(out, _mm512_mul_ps(acc[r][j], sc));
-            long left = N - c0 < 16 ? N - c0 : 16;
-            for (long c = 0; c < left; c++) q_store(y, y_bf16, (m0 + r) * ldy + c0 + c, out[c]);
-        }
-    }
+static inline float q_load_x(const void *x, int x_bf16, long i) {
+    if (!x_bf16) return ((const float *)x)[i];
+    uint32_t u = (uint32_t)((const uint16_t *)x)[i] << 16;
+    float f; memcpy(&f, &u, 4);
+    return f;
 }
 
-/* ---- int4 ---------------------------------------------------------------------------- */
-
-/* the 16 columns c0..c0+15 (c0 in {0, 16}) and c0+32.. of a tile row from its 32 bytes */
-static inline __attribute__((always_inline)) void q4_row(const uint8_t *wk, int half, __m512 *lo, __m512 *hi) {
-    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wk + 16 * half)));
-    *lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xF)));
-    *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-}
-
-/* column slice j (0..3) of a tile <-> (half, lo/hi): slices 0,1 are the low nibbles of halves
- * 0,1 (columns 0..31), slices 2,3 the high nibbles (columns 32..63) */
-static inline __m512 load_h16(const uint16_t *p, __mmask16 mk) {  /* 16 fp16 -> fp32 (exact) */
-    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, p));
-}
-
-static inline __attribute__((always_inline)) void tile_q4(
-    const int R, long K, long G, const float *xr, const uint8_t *wt, const uint16_t *s, const uint16_t *z,
-    void *y, int y_bf16, long ldy, long m0, long n0, long N) {
-    __m512 yv[QMR][4];
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < 4; j++) yv[r][j] = _mm512_setzero_ps();
-    __mmask16 mk[4];
-    for (int j = 0; j < 4; j++) mk[j] = qlanes(N - (n0 + 16 * j));
-    for (long k0 = 0, g = 0; k0 < K; k0 += G, g++) {
-        long kn = K - k0 < G ? K - k0 : G;
-        __m512 acc[QMR][4];
-        float xs[QMR];
-        for (int r = 0; r < R; r++) {
-            xs[r] = 0.0f;
-            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
+/* One row's activation quantization (the specification above): x row (K values) ->
+ * xq [nblk * QB] (zero padded), sx [nblk], xs [nblk]. Scalar (the reference's). */
+static void q_act_row(const void *x, int x_bf16, long row, long K, int8_t *xq, float *sx, int32_t *xs) {
+    long nblk = (K + QB - 1) / QB;
+    for (long b = 0; b < nblk; b++) {
+        long k0 = b * QB, k1 = k0 + QB < K ? k0 + QB : K;
+        float amax = 0.0f;
+        for (long k = k0; k < k1; k++) {
+            float a = fabsf(q_load_x(x, x_bf16, row * K + k));
+            amax = a > amax ? a : amax;  /* NaN never wins */
         }
-        for (long k = k0; k < k0 + kn; k++) {
-            const uint8_t *wk = wt + k * (QT / 2);
-            _mm_prefetch((const char *)(wk + QPF * (QT / 2)), _MM_HINT_T0);
-            __m512 w[4];
-            q4_row(wk, 0, &w[0], &w[2]);
-            q4_row(wk, 1, &w[1], &w[3]);
-            for (int r = 0; r < R; r++) {
-                float xv = xr[r * K + k];
-                __m512 xb = _mm512_set1_ps(xv);
-                xs[r] = xs[r] + xv;
-                for (int j = 0; j < 4; j++) acc[r][j] = _mm512_fmadd_ps(xb, w[j], acc[r][j]);
+        float s = amax / 127.0f;
+        int32_t sum = 0;
+        for (long k = k0; k < k0 + QB; k++) {
+            int v = 0;
+            if (k < k1 && s != 0.0f) {
+                float r = nearbyintf(q_load_x(x, x_bf16, row * K + k) / s);  /* default mode: half to even */
+                r = fminf(fmaxf(r, -127.0f), 127.0f);  /* fmaxf(NaN, -127) = -127 */
+                v = (int)r;
             }
+            xq[k] = (int8_t)v;
+            sum += v;
         }
-        for (int j = 0; j < 4; j++) {
-            __m512 sc = load_h16(s + g * N + n0 + 16 * j, mk[j]);
-            __m512 nz = _mm512_sub_ps(_mm512_setzero_ps(), load_h16(z + g * N + n0 + 16 * j, mk[j]));
-            for (int r = 0; r < R; r++)
-                yv[r][j] = _mm512_fmadd_ps(sc, _mm512_fmadd_ps(nz, _mm512_set1_ps(xs[r]), acc[r][j]), yv[r][j]);
-        }
+        sx[b] = s;
+        xs[b] = sum;
     }
+}
+
+/* q_act_row with AVX-512, the same operations lane by lane (max never taking a NaN, one IEEE
+ * division, round half to even, the clamp sending NaN to -127): the same bits, 16 k at a time. */
+static void q_act_row_v(const void *x, int x_bf16, long row, long K, int8_t *xq, float *sx, int32_t *xs) {
+    long nblk = (K + QB - 1) / QB;
+    const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    for (long b = 0; b < nblk; b++) {
+        long k0 = b * QB, k1 = k0 + QB < K ? k0 + QB : K;
+        __m512 v[QB / 16];
+        __m512 amax = _mm512_setzero_ps();
+        for (int i = 0; i < QB / 16; i++) {
+            __mmask16 mk = qlanes(k1 - (k0 + 16 * i));
+            if (x_bf16) {
+                __m256i h = _mm256_maskz_loadu_epi16(mk, (const uint16_t *)x + row * K + k0 + 16 * i);
+                v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+            } else {
+                v[i] = _mm512_maskz_loadu_ps(mk, (const float *)x + row * K + k0 + 16 * i);
+            }
+            amax = _mm512_max_ps(_mm512_abs_ps(v[i]), amax);  /* a NaN lane keeps amax */
+        }
+        float m = _mm512_reduce_max_ps(amax);
+        float s = m / 127.0f;
+        __m512i sum = _mm512_setzero_si512();
+        for (int i = 0; i < QB / 16; i++) {
+            __m512i q = _mm512_setzero_si512();
+            if (s != 0.0f) {
+                __m512 r = _mm512_roundscale_ps(_mm512_div_ps(v[i], _mm512_set1_ps(s)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                q = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));  /* max(NaN, -127) = -127 */
+            }
+            sum = _mm512_add_epi32(sum, q);
+            _mm_storeu_si128((__m128i *)(xq + k0 + 16 * i), _mm512_cvtepi32_epi8(q));
+        }
+        sx[b] = s;
+        xs[b] = _mm512_reduce_add_epi32(sum);
+    }
+}
+
+/* acc + per int32 lane: sum over its 4 bytes of (unsigned byte of a) * (signed byte of b) */
+static inline __m512i q_dpbusd(__m512i acc, __m512i a, __m512i b) {
+#ifdef __AVX512VNNI__
+    /* = _mm512_dpbusd_epi32(acc, a, b); inline asm keeps the accumulator in place (gcc 12 copies
+     * it around every intrinsic call: ~1 extra move per instruction in the inner loops) */
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    return acc;
+#else  /* exact: u8 * s8 products fit int16, vpmaddwd sums pairs into int32 without saturation */
+    const __m512i lo = _mm512_set1_epi16(0x00FF);
+    __m512i ae = _mm512_and_si512(a, lo), ao = _mm512_srli_epi16(a, 8);
+    __m512i be = _mm512_srai_epi16(_mm512_slli_epi16(b, 8), 8), bo = _mm512_srai_epi16(b, 8);
+    return _mm512_add_epi32(acc, _mm512_add_epi32(_mm512_madd_epi16(ae, be), _mm512_madd_epi16(ao, bo)));
+#endif
+}
+
+static inline __m512i q_bcast4(const int8_t *p) {  /* 4 bytes of xq to every int32 lane */
+    int32_t v; memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* rows m0..m0+R-1 (their xq rows at xq + r * KP, sx/xs at + r * nblk) of a 64-column tile: out */
+static inline __attribute__((always_inline)) void q_tile_store(
+    const int R, __m512 yv[QMR][4], void *y, int y_bf16, long ldy, long m0, long n0, long N) {
     for (int j = 0; j < 4; j++) {
         long c0 = n0 + 16 * j;
         if (c0 >= N) break;
@@ -155,6 +185,103 @@ static inline __attribute__((always_inline)) void tile_q4(
     }
 }
 
+/* The accumulators of a tile (R rows x 4 slices of 16 columns, int32 per block, fp32 across
+ * blocks) and int4's unpacked nibbles do not all fit the 32 zmm registers with R >= 3: there
+ * int4 sweeps a block's k rows (2 KB, in L1 after the first pass) once per half tile (2 slices,
+ * 32 columns). int8 fits (the fp32 sums live in memory between blocks) and makes one pass.
+ * Speed only: the sums are exact integers whatever the order. No software prefetch: the
+ * weights stream in address order and the hardware prefetcher does better alone (measured). */
+#define QJ_INT8 4
+#define QJ_INT4(R) ((R) >= 3 ? 2 : 4)
+
+/* ---- int8 ---------------------------------------------------------------------------- */
+
+static inline __attribute__((always_inline)) void tile_q8(
+    const int R, long K4, long nblk, long KP, const int8_t *xq, const float *sx, const int32_t *xs,
+    const uint8_t *wt, const float *s, void *y, int y_bf16, long ldy, long m0, long n0, long N) {
+    __m512 yv[QMR][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) yv[r][j] = _mm512_setzero_ps();
+    const int J = QJ_INT8;
+    for (long b = 0; b < nblk; b++) {
+        long k40 = b * (QB / 4), k41 = k40 + QB / 4 < K4 ? k40 + QB / 4 : K4;
+        for (int j0 = 0; j0 < 4; j0 += J) {
+            __m512i acc[QMR][4];
+            for (int r = 0; r < R; r++)
+                for (int j = 0; j < J; j++) acc[r][j] = _mm512_setzero_si512();
+            for (long k4 = k40; k4 < k41; k4++) {
+                const uint8_t *wk = wt + k4 * (QT * 4) + 64 * j0;
+                __m512i w[4];
+                for (int j = 0; j < J; j++) w[j] = _mm512_loadu_si512((const void *)(wk + 64 * j));
+                for (int r = 0; r < R; r++) {
+                    __m512i xb = q_bcast4(xq + r * KP + 4 * k4);
+                    for (int j = 0; j < J; j++) acc[r][j] = q_dpbusd(acc[r][j], w[j], xb);
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                __m512i corr = _mm512_set1_epi32(128 * xs[r * nblk + b]);
+                __m512 sb = _mm512_set1_ps(sx[r * nblk + b]);
+                for (int j = 0; j < J; j++)
+                    yv[r][j0 + j] = _mm512_fmadd_ps(sb, _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][j], corr)), yv[r][j0 + j]);
+            }
+        }
+    }
+    for (int j = 0; j < 4; j++) {
+        __m512 sc = _mm512_maskz_loadu_ps(qlanes(N - (n0 + 16 * j)), s + n0 + 16 * j);
+        for (int r = 0; r < R; r++) yv[r][j] = _mm512_mul_ps(yv[r][j], sc);
+    }
+    q_tile_store(R, yv, y, y_bf16, ldy, m0, n0, N);
+}
+
+/* ---- int4 ---------------------------------------------------------------------------- */
+
+static inline __m512 load_h16(const uint16_t *p, __mmask16 mk) {  /* 16 fp16 -> fp32 (exact) */
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, p));
+}
+
+static inline __attribute__((always_inline)) void tile_q4(
+    const int R, long K8, long nblk, long KP, const int8_t *xq, const float *sx, const int32_t *xs,
+    const uint8_t *wt, const uint16_t *s, const uint16_t *z, void *y, int y_bf16, long ldy, long m0, long n0, long N) {
+    __m512 yv[QMR][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) yv[r][j] = _mm512_setzero_ps();
+    __mmask16 mk[4];
+    for (int j = 0; j < 4; j++) mk[j] = qlanes(N - (n0 + 16 * j));
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    const int J = QJ_INT4(R);
+    for (long b = 0; b < nblk; b++) {
+        long g = b / (QG / QB);  /* the block's int4 group */
+        long k80 = b * (QB / 8), k81 = k80 + QB / 8 < K8 ? k80 + QB / 8 : K8;
+        for (int j0 = 0; j0 < 4; j0 += J) {
+            __m512i acc[QMR][4];
+            for (int r = 0; r < R; r++)
+                for (int j = 0; j < J; j++) acc[r][j] = _mm512_setzero_si512();
+            for (long k8 = k80; k8 < k81; k8++) {
+                const uint8_t *wk = wt + k8 * (QT * 4) + 64 * j0;
+                __m512i lo[4], hi[4];
+                for (int j = 0; j < J; j++) {
+                    __m512i v = _mm512_loadu_si512((const void *)(wk + 64 * j));
+                    lo[j] = _mm512_and_si512(v, nib);
+                    hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+                }
+                for (int r = 0; r < R; r++) {
+                    __m512i xl = q_bcast4(xq + r * KP + 8 * k8), xh = q_bcast4(xq + r * KP + 8 * k8 + 4);
+                    for (int j = 0; j < J; j++) acc[r][j] = q_dpbusd(q_dpbusd(acc[r][j], lo[j], xl), hi[j], xh);
+                }
+            }
+            for (int j = 0; j < J; j++) {
+                __m512 sc = load_h16(s + g * N + n0 + 16 * (j0 + j), mk[j0 + j]);
+                __m512 nz = _mm512_sub_ps(_mm512_setzero_ps(), load_h16(z + g * N + n0 + 16 * (j0 + j), mk[j0 + j]));
+                for (int r = 0; r < R; r++) {
+                    __m512 t = _mm512_fmadd_ps(nz, _mm512_set1_ps((float)xs[r * nblk + b]), _mm512_cvtepi32_ps(acc[r][j]));
+                    yv[r][j0 + j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(sx[r * nblk + b]), sc), t, yv[r][j0 + j]);
+                }
+            }
+        }
+    }
+    q_tile_store(R, yv, y, y_bf16, ldy, m0, n0, N);
+}
+
 static int q_team(long ntiles, int nthreads) {
     int nt = nthreads;
 #ifdef _OPENMP
@@ -164,83 +291,109 @@ static int q_team(long ntiles, int nthreads) {
     return nt < 1 ? 1 : nt;
 }
 
+static int q_check(const ss_qweight *w) {
+    if (w->in_features <= 0 || (w->bits != 8 && w->bits != 4)) return 2;
+    if (w->bits == 4 && (w->group != QG || !w->zero)) return 2;
+    return 0;
+}
+
 /* x: [M, K] (x_bf16 ? bf16 : fp32) contiguous; y: [M, N] (y_bf16 ? bf16 : fp32).
- * Returns 0 on success, 2 for a bad descriptor, 1 when out of memory. */
+ * Returns 0 on success, 2 for a bad descriptor (incl. an int4 group other than 64), 1 when
+ * out of memory. */
 int selfspec_qgemm(long M, const void *x, int x_bf16, const void *wd, void *y, int y_bf16, int nthreads) {
     const ss_qweight *w = (const ss_qweight *)wd;
     const long K = w->in_features, N = w->out_features;
     if (M <= 0 || N <= 0) return 0;
-    if (K <= 0 || (w->bits != 8 && w->bits != 4) || (w->bits == 4 && (w->group <= 0 || !w->zero))) return 2;
-    float stackbuf[8192];
-    float *xf = (M * K <= (long)(sizeof(stackbuf) / 4)) ? stackbuf : (float *)malloc(sizeof(float) * M * K);
-    if (!xf) return 1;
-    for (long i = 0; i < M * K; i++) {
-        if (x_bf16) { uint32_t u = (uint32_t)((const uint16_t *)x)[i] << 16; memcpy(&xf[i], &u, 4); }
-        else xf[i] = ((const float *)x)[i];
-    }
+    if (q_check(w)) return 2;
+    const long nblk = (K + QB - 1) / QB, KP = nblk * QB;
+    /* per row: xq [KP] int8, then sx [nblk] fp32 and xs [nblk] int32 (separate arrays) */
+    size_t need = (size_t)M * KP + (size_t)M * nblk * 8 + 64;
+    _Alignas(64) char stackbuf[16384];
+    char *buf = need <= sizeof(stackbuf) ? stackbuf : (char *)malloc(need);
+    if (!buf) return 1;
+    float *sx = (float *)buf;
+    int32_t *xs = (int32_t *)(buf + (size_t)M * nblk * 4);
+    int8_t *xq = (int8_t *)(buf + (size_t)M * nblk * 8);
+    for (long m = 0; m < M; m++) q_act_row_v(x, x_bf16, m, K, xq + m * KP, sx + m * nblk, xs + m * nblk);
     long ntiles = (N + QT - 1) / QT;
     int nt = q_team(ntiles, nthreads);
+    const long K4 = (K + 3) / 4, K8 = (K + 7) / 8;
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(nt) schedule(static)
 #endif
     for (long t = 0; t < ntiles; t++) {
         long n0 = t * QT;
         for (long m0 = 0; m0 < M; m0 += QMR) {
-            const float *xr = xf + m0 * K;
+            const int8_t *xr = xq + m0 * KP;
+            const float *sr = sx + m0 * nblk;
+            const int32_t *cr = xs + m0 * nblk;
             int R = M - m0 < QMR ? (int)(M - m0) : QMR;
             if (w->bits == 8) {
-                const int8_t *wt = (const int8_t *)w->q + t * K * QT;
+                const uint8_t *wt = (const uint8_t *)w->q + t * K4 * QT * 4;
                 const float *sc = (const float *)w->scale;
                 switch (R) {
-                case 4: tile_q8(4, K, xr, wt, sc, y, y_bf16, N, m0, n0, N); break;
-                case 3: tile_q8(3, K, xr, wt, sc, y, y_bf16, N, m0, n0, N); break;
-                case 2: tile_q8(2, K, xr, wt, sc, y, y_bf16, N, m0, n0, N); break;
-                default: tile_q8(1, K, xr, wt, sc, y, y_bf16, N, m0, n0, N); break;
+                case 4: tile_q8(4, K4, nblk, KP, xr, sr, cr, wt, sc, y, y_bf16, N, m0, n0, N); break;
+                case 3: tile_q8(3, K4, nblk, KP, xr, sr, cr, wt, sc, y, y_bf16, N, m0, n0, N); break;
+                case 2: tile_q8(2, K4, nblk, KP, xr, sr, cr, wt, sc, y, y_bf16, N, m0, n0, N); break;
+                default: tile_q8(1, K4, nblk, KP, xr, sr, cr, wt, sc, y, y_bf16, N, m0, n0, N); break;
                 }
             } else {
-                const uint8_t *wt = (const uint8_t *)w->q + t * K * (QT / 2);
+                const uint8_t *wt = (const uint8_t *)w->q + t * K8 * QT * 4;
                 const uint16_t *sc = (const uint16_t *)w->scale, *zp = (const uint16_t *)w->zero;
                 switch (R) {
-                case 4: tile_q4(4, K, w->group, xr, wt, sc, zp, y, y_bf16, N, m0, n0, N); break;
-                case 3: tile_q4(3, K, w->group, xr, wt, sc, zp, y, y_bf16, N, m0, n0, N); break;
-                case 2: tile_q4(2, K, w->group, xr, wt, sc, zp, y, y_bf16, N, m0, n0, N); break;
-                default: tile_q4(1, K, w->group, xr, wt, sc, zp, y, y_bf16, N, m0, n0, N); break;
+                case 4: tile_q4(4, K8, nblk, KP, xr, sr, cr, wt, sc, zp, y, y_bf16, N, m0, n0, N); break;
+                case 3: tile_q4(3, K8, nblk, KP, xr, sr, cr, wt, sc, zp, y, y_bf16, N, m0, n0, N); break;
+                case 2: tile_q4(2, K8, nblk, KP, xr, sr, cr, wt, sc, zp, y, y_bf16, N, m0, n0, N); break;
+                default: tile_q4(1, K8, nblk, KP, xr, sr, cr, wt, sc, zp, y, y_bf16, N, m0, n0, N); break;
                 }
             }
         }
     }
-    if (xf != stackbuf) free(xf);
+    if (buf != stackbuf) free(buf);
     return 0;
 }
 
-/* Scalar references of the same chains (fp32 x and y), for the tests. */
+/* Scalar reference of the same chains (fp32 x and y), for the tests: the weights are read
+ * one byte at a time from the layouts, the dot products summed in plain int arithmetic. */
+int selfspec_quant_block(void) { return QB; }  /* the activation block, for the tests */
+
 int selfspec_qgemm_ref(long M, const float *x, const ss_qweight *w, float *y) {
     const long K = w->in_features, N = w->out_features;
-    for (long m = 0; m < M; m++)
+    if (q_check(w)) return 2;
+    const long nblk = (K + QB - 1) / QB, K4 = (K + 3) / 4, K8 = (K + 7) / 8;
+    int8_t *xq = (int8_t *)malloc((size_t)nblk * QB);
+    float *sx = (float *)malloc(sizeof(float) * nblk);
+    int32_t *xs = (int32_t *)malloc(sizeof(int32_t) * nblk);
+    if (!xq || !sx || !xs) { free(xq); free(sx); free(xs); return 1; }
+    for (long m = 0; m < M; m++) {
+        q_act_row(x, 0, m, K, xq, sx, xs);
         for (long n = 0; n < N; n++) {
             long t = n / QT, c = n % QT;
-            if (w->bits == 8) {
-                const int8_t *q = (const int8_t *)w->q + t * K * QT;
-                float acc = 0.0f;
-                for (long k = 0; k < K; k++) acc = fmaf(x[m * K + k], (float)q[k * QT + c], acc);
-                y[m * N + n] = acc * ((const float *)w->scale)[n];
-            } else {
-                const uint8_t *q = (const uint8_t *)w->q + t * K * (QT / 2);
-                float out = 0.0f;
-                for (long k0 = 0, g = 0; k0 < K; k0 += w->group, g++) {
-                    float acc = 0.0f, xs = 0.0f;
-                    for (long k = k0; k < K && k < k0 + w->group; k++) {
-                        uint8_t b = q[k * (QT / 2) + c % 32];
-                        float u = (float)(c < 32 ? (b & 0xF) : (b >> 4));
-                        acc = fmaf(x[m * K + k], u, acc);
-                        xs = xs + x[m * K + k];
+            float out = 0.0f;
+            for (long b = 0; b < nblk; b++) {
+                int32_t acc = 0, xsum = 0;
+                for (long k = b * QB; k < K && k < (b + 1) * QB; k++) {
+                    int u;
+                    if (w->bits == 8) u = ((const uint8_t *)w->q)[((t * K4 + k / 4) * QT + c) * 4 + k % 4] - 128;
+                    else {
+                        uint8_t byte = ((const uint8_t *)w->q)[((t * K8 + k / 8) * QT + c) * 4 + k % 4];
+                        u = k % 8 < 4 ? (byte & 0xF) : (byte >> 4);
                     }
-                    float sc = _cvtsh_ss(((const uint16_t *)w->scale)[g * N + n]), zp = _cvtsh_ss(((const uint16_t *)w->zero)[g * N + n]);
-                    out = fmaf(sc, fmaf(-zp, xs, acc), out);
+                    acc += u * xq[k];
+                    xsum += xq[k];
                 }
-                y[m * N + n] = out;
+                if (xsum != xs[b]) { free(xq); free(sx); free(xs); return 3; }  /* cannot happen */
+                if (w->bits == 8) out = fmaf(sx[b], (float)acc, out);
+                else {
+                    long g = b / (QG / QB);
+                    float sc = _cvtsh_ss(((const uint16_t *)w->scale)[g * N + n]), zp = _cvtsh_ss(((const uint16_t *)w->zero)[g * N + n]);
+                    out = fmaf(sx[b] * sc, fmaf(-zp, (float)xsum, (float)acc), out);
+                }
             }
+            y[m * N + n] = w->bits == 8 ? out * ((const float *)w->scale)[n] : out;
         }
+    }
+    free(xq); free(sx); free(xs);
     return 0;
 }
 

@@ -90,11 +90,12 @@ class QuantizedWeight:
     def dequantize(self) -> torch.Tensor:
         """The fp32 [K, N] weight this stands for (tests, torch fallback)."""
         k, n = self.in_features, self.out_features
-        if self.bits == 8:
-            q = self.q.permute(1, 0, 2).reshape(k, -1)[:, :n].float()  # [NB, K, 64] -> [K, N]
+        b = self.q.permute(1, 3, 0, 2)  # [NB, K4 or K8, 64, 4] -> [K4|K8, 4, NB, 64]
+        if self.bits == 8:  # u = q + 128, byte i of k-row j: k = 4j + i
+            q = b.reshape(-1, b.shape[2] * b.shape[3])[:k, :n].float() - 128
             return q * self.scale
-        b = self.q.permute(1, 0, 2)  # [K, NB, 32]
-        u = torch.cat([b & 0xF, b >> 4], dim=-1).reshape(k, -1)[:, :n].float()  # low nibbles: columns 0..31 of a tile
+        u = torch.stack([b & 0xF, b >> 4], dim=1)  # [K8, 2, 4, NB, 64]: k = 8j + 4 * (high nibble) + i
+        u = u.reshape(-1, b.shape[2] * b.shape[3])[:k, :n].float()
         g = torch.arange(k, device=u.device) // self.group
         return self.scale.float()[g] * (u - self.zero.float()[g])
 
