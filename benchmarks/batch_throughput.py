@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import selfspec  # noqa: E402
 from selfspec.tools.datasets import load_dataset  # noqa: E402
 
-from common import hf_model, machine  # noqa: E402
+from common import hf_batch, hf_model, machine  # noqa: E402
 
 
 def prompt_ids(m, n: int) -> list[list[int]]:
@@ -49,19 +49,6 @@ def batched(m, ids, n_new: int, strategy: str) -> tuple[float, list[list[int]], 
     t = time.perf_counter()
     res = m.generate_batch(ids, max_new_tokens=n_new, strategy=strategy, max_batch=len(ids))
     return time.perf_counter() - t, [r.token_ids for r in res], res
-
-
-def hf_batch(hf, ids, n_new: int) -> tuple[float, list[list[int]]] | None:
-    if not hasattr(hf, "generate_batch"):
-        return None
-    from transformers import GenerationConfig
-
-    cfg = GenerationConfig(max_new_tokens=n_new, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    t = time.perf_counter()
-    out = hf.generate_batch(inputs=ids, generation_config=cfg, progress_bar=False)
-    dt = time.perf_counter() - t
-    by_id = sorted(out.values(), key=lambda o: int(str(o.request_id).rsplit("_", 1)[-1]))
-    return dt, [list(o.generated_tokens) for o in by_id]
 
 
 def measure(m, hf, ids, n: int, c: int, repeats: int, ref: list[list[int]], with_hf: bool) -> dict:

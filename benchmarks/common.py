@@ -49,3 +49,18 @@ def hf_generate_tps(hf, ids: list[int], max_new_tokens: int, **kwargs) -> tuple[
     dt = time.perf_counter() - t
     new = out[0, len(ids):].tolist()
     return len(new) / dt, new
+
+
+def hf_batch(hf, ids: list[list[int]], n_new: int) -> tuple[float, list[list[int]]] | None:
+    """transformers' own continuous batching (`generate_batch`, greedy, no EOS stop) on these
+    token ids: (seconds, generated ids per prompt in order), or None where it is missing."""
+    if not hasattr(hf, "generate_batch"):
+        return None
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(max_new_tokens=n_new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    t = time.perf_counter()
+    out = hf.generate_batch(inputs=ids, generation_config=cfg, progress_bar=False)
+    dt = time.perf_counter() - t
+    by_id = sorted(out.values(), key=lambda o: int(str(o.request_id).rsplit("_", 1)[-1]))
+    return dt, [list(o.generated_tokens) for o in by_id]

@@ -187,6 +187,30 @@ async def sweep(args, url: str, model_name: str, refs: dict[str, str]) -> list[d
     return rows
 
 
+def hf_sweep(args, model) -> list[dict]:
+    """transformers' own continuous batching (`generate_batch`) on the same prompts and token
+    budget, in this process (the server idles meanwhile): tokens/s at --hf-clients."""
+    import torch
+
+    from common import hf_batch, hf_model
+
+    counts = [int(c) for c in args.hf_clients.split(",") if c]
+    if not counts or args.tiny:
+        return []
+    hf = hf_model(torch.bfloat16 if args.dtype == "bfloat16" else torch.float32)
+    if not hasattr(hf, "generate_batch"):
+        print("  transformers has no generate_batch here: skipped", file=sys.stderr)
+        return []
+    hf_batch(hf, [model.encode(PROMPTS[0])], 8)  # warm-up
+    rows = []
+    for n in counts:
+        ids = [model.encode(PROMPTS[i % len(PROMPTS)]) for i in range(n)]
+        dt, outs = hf_batch(hf, ids, args.max_tokens)
+        rows.append({"clients": n, "tok_s": sum(map(len, outs)) / dt, "wall_s": dt})
+        print(f"  transformers generate_batch {n:>3} requests: {rows[-1]['tok_s']:7.1f} tok/s", file=sys.stderr, flush=True)
+    return rows
+
+
 async def run(args) -> dict:
     import httpx
     import torch
@@ -243,6 +267,7 @@ async def run(args) -> dict:
                 ar = model.draft_config("autoregressive")
                 refs = {p: direct_one(model, p, args.max_tokens, ar)["text"] for p in PROMPTS}  # solo greedy
                 report["sweep"] = await sweep(args, url, model_name, refs)
+                report["transformers"] = hf_sweep(args, model)
                 return report
 
             def body(p):
@@ -344,6 +369,7 @@ def main(argv=None) -> int:
     ap.add_argument("--clients-list", default="1,4,8,16", help="sweep: client counts (default %(default)s)")
     ap.add_argument("--strategies", default="autoregressive,default", help="sweep: strategies; default = the server's (default %(default)s)")
     ap.add_argument("--rounds", type=int, default=1, help="sweep: requests per client (default %(default)s)")
+    ap.add_argument("--hf-clients", default="1,8", help="sweep: request counts for transformers' generate_batch on the same prompts ('' = none; default %(default)s)")
     ap.add_argument("--max-batch", type=int, default=None, help="the server's --max-batch (default: its own)")
     args = ap.parse_args(argv)
     if not (1 <= args.clients <= 64 and 1 <= args.requests <= 1000 and 1 <= args.prompts <= len(PROMPTS)):
@@ -390,6 +416,11 @@ def print_sweep(report: dict, args) -> int:
         base = next(b for b in rows if b["strategy"] == r["strategy"])["tok_s"]
         print(f"| {r['strategy']} | {r['clients']} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f} | {r['ttft_p50_s'] * 1000:.0f} | "
               f"{r['longest_stall_s'] * 1000:.0f} | {r['identical']}/{r['requests']} |")
+    hf = report.get("transformers") or []
+    if hf:
+        print("\n| transformers `generate_batch` | requests | tok/s | x 1 request |\n|---|---|---|---|")
+        for r in hf:
+            print(f"| same prompts, {args.max_tokens} new tokens | {r['clients']} | {r['tok_s']:.1f} | {r['tok_s'] / hf[0]['tok_s']:.2f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0 if all(r["identical"] == r["requests"] for r in rows) else 1
