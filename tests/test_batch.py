@@ -10,7 +10,7 @@ import torch
 import selfspec
 from selfspec.batch import BatchCosts, BatchEngine, BatchRequest
 from selfspec.batch import planner
-from selfspec.batch.planner import DRAFT_ROWS, measure_draft, plan
+from selfspec.batch.planner import DRAFT_ROWS, measure_draft, plan, plan_with_probes
 from selfspec.config import DraftConfig, GenerationConfig, SamplingConfig
 from helpers import ar_generate, build_hf, prompts
 
@@ -176,6 +176,10 @@ def test_planner_drafts_when_rows_are_free_and_not_when_they_cost():
     mid = BatchCosts({r: 1.0 + 0.05 * r for r in rows}, {r: 0.1 for r in rows})
     k = plan(mid, seqs, caps, [None] * 3, 0, 0)
     assert k[0] >= k[1] and k[2] == 0  # the better-accepted sequence drafts at least as much
+    # probes: worth it only where a surely accepted token would pay (not in a compute-bound step)
+    low = [_S(0.01), _S(0.01), _S(0.01)]
+    assert plan_with_probes(mid, low, caps, [None] * 3, 0, 0) == ([0, 0, 0], [True, True, False])
+    assert plan_with_probes(dear, low, caps, [None] * 3, 0, 0) == ([0, 0, 0], [False, False, False])
 
 
 def test_planner_prices_self_drafts_by_their_measured_forward(monkeypatch):

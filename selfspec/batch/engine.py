@@ -31,7 +31,7 @@ from dataclasses import replace
 import torch
 
 from selfspec.batch.passes import Part, draft_depth, signature, staged_forward, verify_part
-from selfspec.batch.planner import BatchCosts, plan
+from selfspec.batch.planner import BatchCosts, plan_with_probes
 from selfspec.batch.sequence import BatchHandle, BatchRequest, Sequence
 from selfspec.config import MAX_SPECULATIONS
 from selfspec.sampling import Rows
@@ -228,11 +228,11 @@ class BatchEngine:
         if self._costs is None:
             self._costs = batch_costs(self.rt)
         groups = [signature(s) if s.kind == "depth" else None for s in greedy]
-        ks = plan(self._costs, greedy, caps, groups, sum(len(p.ids) for _, p in prefill),
-                  sum(p.logits != "none" for _, p in prefill))
+        ks, worth = plan_with_probes(self._costs, greedy, caps, groups, sum(len(p.ids) for _, p in prefill),
+                                     sum(p.logits != "none" for _, p in prefill))
         self.last_plan = ks
-        for s, k, cap in zip(greedy, ks, caps):
-            k = self._probe(s, k, cap)
+        for s, k, cap, w in zip(greedy, ks, caps, worth):
+            k = self._probe(s, k, cap if w else 0)
             s.planned_k = k
             if s.kind == "free":
                 s.draft.tokens, s.draft.dists = s.draft.tokens[:k], s.draft.dists[:k]
@@ -243,7 +243,9 @@ class BatchEngine:
     def _probe(s: Sequence, k: int, cap: int) -> int:
         """Acceptance is only learnt by drafting: a sequence the planner keeps at k = 0 drafts
         one token after a back-off that doubles while probes keep failing (auto's rule), so
-        a draft that became good is noticed and a bad one costs a few 1-token probes."""
+        a draft that became good is noticed and a bad one costs a few 1-token probes. cap = 0
+        (the caller's word for "a token would not pay even if accepted": rows are dear this
+        step) skips the probe: there is nothing to learn."""
         if k > 0 or cap <= 0:
             if k > 0 and not s.probing:
                 s.backoff = s.BASE_BACKOFF

@@ -39,6 +39,7 @@ class BatchCosts:
     head: dict[int, float]  # final norm + full LM head over R rows
     overhead: float = 2e-4  # per forward call (Python, tables)
     _draft_cache: dict = field(default_factory=dict)
+    _memo: dict = field(default_factory=dict)  # (what, rows...) -> seconds: the planner asks the same often
 
     @classmethod
     def measure(cls, rt, repeats: int = 2, context: int = 64) -> "BatchCosts":
@@ -83,7 +84,10 @@ class BatchCosts:
         if rows <= 0:
             return 0.0
         lr = rows if logit_rows is None else logit_rows
-        return self.overhead + self._interp(self.layers, rows) + self._interp(self.head, lr)
+        t = self._memo.get((rows, lr))
+        if t is None:
+            t = self._memo[(rows, lr)] = self.overhead + self._interp(self.layers, rows) + self._interp(self.head, lr)
+        return t
 
     def draft_step(self, signature: tuple, rows: int) -> float:
         """One batched draft forward of `rows` sequences with this draft signature (draft
@@ -95,9 +99,12 @@ class BatchCosts:
         if rows <= 0:
             return 0.0
         key = tuple(id(x) if not isinstance(x, (int, frozenset, tuple)) else x for x in signature)
-        if key not in self._draft_cache:
-            self._draft_cache[key] = measure_draft(*signature)
-        return self.overhead + self._interp(self._draft_cache[key], rows)
+        t = self._memo.get((key, rows))
+        if t is None:
+            if key not in self._draft_cache:
+                self._draft_cache[key] = measure_draft(*signature)
+            t = self._memo[(key, rows)] = self.overhead + self._interp(self._draft_cache[key], rows)
+        return t
 
 
 DRAFT_ROWS = (1, 2, 4, 8, 16, 32)
@@ -138,7 +145,17 @@ def expected_gain(alpha: float, k: int) -> float:
 
 
 def plan(costs: BatchCosts, seqs: list, caps: list[int], groups: list, prefill_rows: int, prefill_logits: int) -> list[int]:
-    """Draft lengths k_i (0..caps[i]) maximising expected tokens per second of this step.
+    """Draft lengths k_i (0..caps[i]) maximising expected tokens per second of this step."""
+    return plan_with_probes(costs, seqs, caps, groups, prefill_rows, prefill_logits)[0]
+
+
+def plan_with_probes(costs: BatchCosts, seqs: list, caps: list[int], groups: list, prefill_rows: int,
+                     prefill_logits: int) -> tuple[list[int], list[bool]]:
+    """(k, worth_probing): draft lengths k_i (0..caps[i]) maximising expected tokens per second
+    of this step, and for each sequence whether one draft token would pay if it were surely
+    accepted. A sequence kept at 0 only because rows are dear (a compute-bound step: a big
+    batch, a prefill chunk riding along) has nothing to learn from a probe; one kept at 0 for
+    its low acceptance does.
     groups[i]: None (free drafts) or the draft signature (draft_rt, exit, head, skips...) of sequence i.
     Each round grants the run of m >= 1 extra tokens to one sequence that raises the objective
     most (a run, not one token: a self-draft's first token pays a whole draft forward)."""
@@ -147,8 +164,15 @@ def plan(costs: BatchCosts, seqs: list, caps: list[int], groups: list, prefill_r
     gain, rows, t_draft = float(n), prefill_rows + n, 0.0  # every sequence gets its verifier token
     per_group: dict = {}  # signature -> number of sequences drafting at each draft step j
 
+    # The prefill chunk riding along is paid whatever is drafted: decoding is charged only
+    # what its rows add to the pass. Charging the whole pass would make every draft token
+    # look cheap next to it and the batch would draft hard exactly when rows are dearest
+    # (measured: 16 sequences drafted ~30 tokens a step during prefill, then finished
+    # unevenly and decoded the tail at low occupancy; 0.85x autoregressive).
+    base = costs.verify(prefill_rows, prefill_logits) if prefill_rows else 0.0
+
     def t_verify(r: int) -> float:
-        return costs.verify(r, r - prefill_rows + prefill_logits)
+        return costs.verify(r, r - prefill_rows + prefill_logits) - base
 
     def step_delta(g, j: int) -> float:
         steps = per_group.get(g, [])
@@ -168,7 +192,9 @@ def plan(costs: BatchCosts, seqs: list, caps: list[int], groups: list, prefill_r
                 if v > best_v:
                     best, best_v = (i, m, dg, dt), v
         if best is None:
-            return k
+            worth = [caps[i] > 0 and (gain + 1.0) / (t_draft + (0.0 if groups[i] is None else step_delta(groups[i], k[i]))
+                                                      + t_verify(rows + 1)) > value * 1.0001 for i in range(n)]
+            return k, worth
         i, m, dg, dt = best
         if groups[i] is not None:
             steps = per_group.setdefault(groups[i], [])
