@@ -303,36 +303,6 @@ def test_auto_uses_an_installed_profile(tmp_path, monkeypatch):
     assert out.stats.drafted > 0
 
 
-def test_auto_over_a_profile_takes_lookup_matches_in_greedy_decoding_only(tmp_path, monkeypatch):
-    """auto wraps a profile's self-draft in a greedy-only lookup-first: the prompt lookup is
-    consulted first in greedy decoding (a match drafts for free); when sampling (a copied token is accepted with
-    probability p(x) only) the lookup is never consulted. Lossless and seed-exact either way."""
-    from selfspec.batch.sequence import kind_of
-    from selfspec.drafters import LookupFirstDrafter
-    from selfspec.profiles import install_profile
-
-    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
-    m = _ideal(seed=7)
-    install_profile(Profile(DraftConfig("early-exit", exit_layer=3, num_speculations=4), m.fingerprint, "ideal"))
-    p = [7, 8, 9, 10, 11, 7, 8, 9, 10, 11, 7, 8, 9]  # repeats: the lookup has matches
-    for temperature, seed in ((0.0, None), (0.9, 3)):
-        d = m.drafter(DraftConfig("auto"))
-        assert isinstance(d.base, LookupFirstDrafter) and d.base.greedy_only
-        assert kind_of(d) == "depth"  # a batch drafts the self-draft in one forward with the others
-        found = []
-        real = d.base.lookup.draft
-        d.base.lookup.draft = lambda step: found.append(real(step)) or found[-1]
-        sampling = SamplingConfig(temperature=temperature, seed=seed)
-        out = generate(m.runtime, d, p, ar_gen(24), sampling)
-        if temperature == 0:
-            assert out.token_ids == ar_generate(m, p, max_new_tokens=24).token_ids
-            assert len(found) > 0 and out.stats.drafted > 0  # consulted at every drafting step
-        else:
-            assert found == [] and out.stats.drafted > 0
-            again = m.generate(p, max_new_tokens=24, strategy="auto", temperature=temperature, seed=seed)
-            assert again.token_ids == out.token_ids
-
-
 def test_auto_config_validation():
     with pytest.raises(SelfSpecError, match="base is not used by the early-exit strategy"):
         DraftConfig("early-exit", exit_layer=1, base=DraftConfig("prompt-lookup"))
