@@ -303,6 +303,24 @@ def test_auto_uses_an_installed_profile(tmp_path, monkeypatch):
     assert out.stats.drafted > 0
 
 
+def test_auto_starts_from_the_acceptance_its_profile_measured(tmp_path, monkeypatch):
+    from selfspec.drafters.factory import profile_prior
+    from selfspec.profiles import install_profile
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    m = _ideal(seed=7)
+    draft = DraftConfig("early-exit", exit_layer=3, num_speculations=5)
+    assert profile_prior(Profile(draft, m.fingerprint, "ideal")) is None  # nothing measured: auto's own prior
+    assert profile_prior(Profile(draft, m.fingerprint, "ideal", {"acceptance_rate": 1.0})) is None
+    install_profile(Profile(draft, m.fingerprint, "ideal", {"acceptance_rate": 0.5, "measured_acceptance_rate": 0.9}))
+    d = m.drafter(DraftConfig("auto"))
+    d._reset()
+    assert d.A / (d.A + d.R) == pytest.approx(0.9) and d.A + d.R == pytest.approx(AutoDrafter.PRIOR_WEIGHT)
+    p = prompts(n=1, lengths=(12,))[0]
+    out = m.generate(p, max_new_tokens=20, strategy="auto")
+    assert out.token_ids == ar_generate(m, p, max_new_tokens=20).token_ids and out.stats.draft["source"] == "profile"
+
+
 def test_auto_config_validation():
     with pytest.raises(SelfSpecError, match="base is not used by the early-exit strategy"):
         DraftConfig("early-exit", exit_layer=1, base=DraftConfig("prompt-lookup"))
