@@ -107,7 +107,9 @@ class Sequence:
         self.t_start = clock()
         self.t_last: float | None = None  # when the last token was delivered
         self.longest_gap = 0.0
-        self.A, self.R = 1.0, 1.0  # decayed accepted / rejected counts (the planner's acceptance estimate)
+        # decayed accepted / rejected counts (the planner's acceptance estimate); auto's prior
+        # (from its profile's measured acceptance) where it has one
+        self.A, self.R = drafter.prior if isinstance(drafter, AutoDrafter) else (1.0, 1.0)
         self.idle, self.backoff, self.probing = 0, self.BASE_BACKOFF, False  # the planner's probes (engine._probe)
         self.step: Step | None = None
         self.draft: Draft = Draft()
