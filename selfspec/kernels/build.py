@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -146,8 +147,6 @@ def _tune_pairs(fn, dll, m: int = 16, k: int = 640, n: int = 2048, repeats: int 
     `m` rows on: the scratch path must win by 10% to be used. A few milliseconds, once per
     process. Both strategies give the same bits (tests/test_kernels.py), so this only
     chooses speed."""
-    import time
-
     k2 = (k + 1) // 2
     gen = torch.Generator().manual_seed(0)
     w = (torch.randn(-(-n // _TILE), k2, _TILE, 2, generator=gen) * 0.02).to(torch.bfloat16)
