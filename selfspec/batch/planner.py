@@ -43,31 +43,16 @@ class BatchCosts:
 
     @classmethod
     def measure(cls, rt, repeats: int = 2, context: int = 64) -> "BatchCosts":
-        clock, layers, head = time.perf_counter, {}, {}
+        layers, head = {}, {}
         H, gen = rt.spec.hidden_size, torch.Generator().manual_seed(0)
         caches = [rt.new_cache(context + 2 * max(ROWS)) for _ in range(8)]
-
-        def timed(fn) -> float:
-            fn()
-            ts = []
-            for _ in range(repeats):
-                t0 = clock()
-                fn()
-                ts.append(clock() - t0)
-            return statistics.median(ts)
-
         with torch.inference_mode():
             for r in ROWS:
-                n = min(r, len(caches))  # r rows over n sequences, as a decoding batch has them
-                sizes = [r // n + (i < r % n) for i in range(n)]
-                table = SegmentTable([(c, context, s) for c, s in zip(caches, sizes)])
+                table = _spread(caches, r, context)
                 h = (torch.randn(r, H, generator=gen) * 0.1).to(rt.device, rt.dtype)
-                layers[r] = timed(lambda: rt.run_layers_batch(h, 0, rt.num_layers, table))
-                head[r] = timed(lambda: rt.logits(h))
-        for table in (layers, head):  # more rows never cost less (noise must not say otherwise)
-            for a, b in zip(ROWS, ROWS[1:]):
-                table[b] = max(table[b], table[a])
-        return cls(layers, head)
+                layers[r] = _timed(lambda: rt.run_layers_batch(h, 0, rt.num_layers, table), repeats)
+                head[r] = _timed(lambda: rt.logits(h), repeats)
+        return cls(_monotone(layers), _monotone(head))
 
     @staticmethod
     def _interp(table: dict[int, float], rows: float) -> float:
@@ -114,29 +99,46 @@ def measure_draft(draft_rt, exit_layer: int, head, skip_attn=frozenset(), skip_m
                   repeats: int = 2, context: int = 64) -> dict[int, float]:
     """Seconds of one batched draft forward at each DRAFT_ROWS row count (one row per
     sequence, rows spread over up to 8 caches as passes.draft_depth spreads them)."""
-    clock, out = time.perf_counter, {}
+    out = {}
     caches = [draft_rt.new_cache(context + max(DRAFT_ROWS)) for _ in range(8)]
     with torch.inference_mode():
         for r in DRAFT_ROWS:
-            n = min(r, len(caches))
-            sizes = [r // n + (i < r % n) for i in range(n)]
-            table = SegmentTable([(c, context, s) for c, s in zip(caches, sizes)])
+            table = _spread(caches, r, context)
             toks = torch.arange(r, device=draft_rt.device) % max(1, draft_rt.spec.vocab_size)
 
             def fn():
                 h = draft_rt.run_layers_batch(draft_rt.embed(toks), 0, exit_layer, table, skip_attn, skip_mlp)
                 draft_rt.logits(h, head=head)
 
-            fn()
-            ts = []
-            for _ in range(repeats):
-                t0 = clock()
-                fn()
-                ts.append(clock() - t0)
-            out[r] = statistics.median(ts)
-    for a, b in zip(DRAFT_ROWS, DRAFT_ROWS[1:]):  # more rows never cost less
-        out[b] = max(out[b], out[a])
-    return out
+            out[r] = _timed(fn, repeats)
+    return _monotone(out)
+
+
+def _spread(caches: list, rows: int, context: int) -> SegmentTable:
+    """`rows` rows over min(rows, len(caches)) sequences at position `context`, as a decoding
+    batch has them."""
+    n = min(rows, len(caches))
+    sizes = [rows // n + (i < rows % n) for i in range(n)]
+    return SegmentTable([(c, context, s) for c, s in zip(caches, sizes)])
+
+
+def _timed(fn, repeats: int) -> float:
+    """Median seconds of `repeats` calls after one untimed warm-up call."""
+    fn()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _monotone(table: dict[int, float]) -> dict[int, float]:
+    """More rows never cost less (noise must not say otherwise)."""
+    xs = sorted(table)
+    for a, b in zip(xs, xs[1:]):
+        table[b] = max(table[b], table[a])
+    return table
 
 
 def expected_gain(alpha: float, k: int) -> float:
