@@ -131,7 +131,7 @@ def _load():
             dll.selfspec_set_pairs_many_min.argtypes = [ctypes.c_long]
             dll.selfspec_pairs_many_min.restype = ctypes.c_long
             if _blocks["pairs"]:
-                _blocks["pairs_many_min"] = _tune_pairs(fn, dll)
+                _tune_pairs(fn, dll)  # pairs_many_min() reads the choice back from the library
         except Exception as e:  # noqa: BLE001 - any failure means "use torch"
             _load_error = f"{type(e).__name__}: {e}"
             _lib = False
