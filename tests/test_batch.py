@@ -176,6 +176,8 @@ def test_planner_drafts_when_rows_are_free_and_not_when_they_cost():
     mid = BatchCosts({r: 1.0 + 0.05 * r for r in rows}, {r: 0.1 for r in rows})
     k = plan(mid, seqs, caps, [None] * 3, 0, 0)
     assert k[0] >= k[1] and k[2] == 0  # the better-accepted sequence drafts at least as much
+    flat = BatchCosts({r: 1.0 for r in rows}, {r: 0.0 for r in rows})  # measured flat by noise, prefill riding along
+    assert len(plan(flat, seqs, caps, [None] * 3, 6, 1)) == 3  # decode rows charged > 0: no division by zero
     # probes: worth it only where a surely accepted token would pay (not in a compute-bound step)
     low = [_S(0.01), _S(0.01), _S(0.01)]
     assert plan_with_probes(mid, low, caps, [None] * 3, 0, 0) == ([0, 0, 0], [True, True, False])

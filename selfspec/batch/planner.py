@@ -173,8 +173,8 @@ def plan_with_probes(costs: BatchCosts, seqs: list, caps: list[int], groups: lis
     # unevenly and decoded the tail at low occupancy; 0.85x autoregressive).
     base = costs.verify(prefill_rows, prefill_logits) if prefill_rows else 0.0
 
-    def t_verify(r: int) -> float:
-        return costs.verify(r, r - prefill_rows + prefill_logits) - base
+    def t_verify(r: int) -> float:  # floored: a noisy flat table must not make decode rows free (or divide by 0)
+        return max(costs.verify(r, r - prefill_rows + prefill_logits) - base, 1e-6)
 
     def step_delta(g, j: int) -> float:
         steps = per_group.get(g, [])
