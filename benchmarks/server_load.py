@@ -239,6 +239,8 @@ async def run(args) -> dict:
         cmd[cmd.index("--max-concurrency") + 1] = str(max(most * 2, 4))
     if args.max_batch:
         cmd += ["--max-batch", str(args.max_batch)]
+    if args.prefill_chunk is not None:
+        cmd += ["--prefill-chunk", str(args.prefill_chunk)]
     for flag in ("dtype", "device", "profile", "threads"):
         if getattr(args, flag) is not None:
             cmd += [f"--{flag}", str(getattr(args, flag))]
@@ -371,6 +373,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=1, help="sweep: requests per client (default %(default)s)")
     ap.add_argument("--hf-clients", default="1,8", help="sweep: request counts for transformers' generate_batch on the same prompts ('' = none; default %(default)s)")
     ap.add_argument("--max-batch", type=int, default=None, help="the server's --max-batch (default: its own)")
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="the server's --prefill-chunk (default: its own)")
     args = ap.parse_args(argv)
     if not (1 <= args.clients <= 64 and 1 <= args.requests <= 1000 and 1 <= args.prompts <= len(PROMPTS)):
         ap.error("--clients must be in 1..64, --requests in 1..1000, --prompts in 1..%d" % len(PROMPTS))

@@ -290,7 +290,7 @@ class SelfSpecModel:
         draft: DraftConfig | None = None,
         on_event=None,
         max_batch: int = 16,
-        prefill_chunk: int = 128,
+        prefill_chunk: int | None = None,
         **draft_options,
     ) -> list[GenerationResult]:
         """generate() for many prompts at once, through one continuous batch (selfspec.batch):

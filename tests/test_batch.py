@@ -10,6 +10,7 @@ import torch
 import selfspec
 from selfspec.batch import BatchCosts, BatchEngine, BatchRequest
 from selfspec.batch import planner
+from selfspec.batch.engine import PREFILL_PATIENCE, default_prefill_chunk
 from selfspec.batch.planner import DRAFT_ROWS, measure_draft, plan, plan_with_probes
 from selfspec.config import DraftConfig, GenerationConfig, SamplingConfig
 from helpers import ar_generate, build_hf, prompts
@@ -159,6 +160,33 @@ def test_chunked_prefill_keeps_running_streams_flowing(zoo):
     assert a.result.token_ids == ar_generate(m, short, max_new_tokens=30).token_ids
     assert b.result.token_ids == ar_generate(m, long, max_new_tokens=5).token_ids
     assert a.result.stats.longest_stall_s > 0 and eng.longest_stall_s > 0  # reported (their size is the benchmark's business)
+
+
+def test_prefill_takes_short_prompts_first_and_never_starves_a_long_one(zoo):
+    """Prompts arriving together: the shortest are prefilled whole first (their first token a
+    pass early); a long one is passed over at most PREFILL_PATIENCE steps, then goes first."""
+    _, m = zoo.get("llama")
+    long, s1, s2 = prompts(n=3, seed=5, lengths=(30, 6, 8))
+    eng = BatchEngine(m, prefill_chunk=16)
+    hs = [eng.submit(_req(p, n=12)) for p in (long, s1, s2)]
+    eng.step()
+    firsts = [len(s.out.ids) for s in eng._active]
+    assert firsts == [0, 1, 1]  # 6 + 8 rows fit the chunk; the 30-row prompt (first in) waits
+    steady = []
+    for _ in range(PREFILL_PATIENCE + 3):  # newcomers keep arriving: a short prompt every step
+        hs.append(eng.submit(_req(s1, n=2)))
+        eng.step()
+        steady.append(eng._active[0].prefilled)
+    assert steady[PREFILL_PATIENCE - 2] == 0 and steady[PREFILL_PATIENCE - 1] > 0  # overdue: it goes first, cut to the chunk
+    eng.run()
+    assert hs[0].result.token_ids == ar_generate(m, long, max_new_tokens=12).token_ids
+    assert hs[1].result.token_ids == ar_generate(m, s1, max_new_tokens=12).token_ids
+    assert hs[2].result.token_ids == ar_generate(m, s2, max_new_tokens=12).token_ids
+    assert all(h.result.token_ids == ar_generate(m, s1, max_new_tokens=2).token_ids for h in hs[3:])
+
+
+def test_default_prefill_chunk_scales_with_cores():
+    assert default_prefill_chunk(1) == 32 and default_prefill_chunk(2) == 64 and default_prefill_chunk(64) == 512
 
 
 class _S:

@@ -103,6 +103,7 @@ class Sequence:
         self.stats = GenerationStats(prompt_tokens=len(req.prompt_ids))
         self.tokens: list[int] = list(req.prompt_ids)
         self.prefilled = 0  # prompt positions whose KV is in the cache
+        self.admitted_step = 0  # the engine's step count when it joined (prefill order)
         self.clock = clock
         self.t_start = clock()
         self.t_last: float | None = None  # when the last token was delivered

@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from selfspec.batch.engine import default_prefill_chunk
 from selfspec.cli_args import add_chat_template_arg, add_draft_args, add_model_args, check_before_loading, choice, draft_config_from_args, load_model
 from selfspec.config import MAX_SPECULATIONS, STRATEGIES
 from selfspec.errors import SelfSpecError
@@ -42,6 +43,9 @@ def register(subparsers) -> None:
     p.add_argument("--max-batch", type=int, default=None,
                    help="the most requests decoding together in one continuous batch (default: 4 per CPU core, "
                         f"between 4 and 32: {default_max_batch()} on this machine)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prompt tokens prefilled per batch step, shortest prompt first: a running stream waits at most "
+                        f"one chunk (default: 32 per CPU core, between 32 and 512: {default_prefill_chunk()} on this machine)")
     p.add_argument("--queue-timeout", type=float, default=30.0, help="seconds a request may wait for the engine before 503 (default: %(default)s)")
     p.add_argument("--max-new-tokens-limit", type=int, default=1024, help="the largest max_tokens a request may ask for (default: %(default)s)")
     p.add_argument("--default-max-tokens", type=int, default=128, help="max_tokens when a request gives none (default: %(default)s)")
@@ -89,6 +93,7 @@ def settings_from_args(args) -> ServerSettings:
         allow_request_draft=not args.no_request_draft,
         max_prompt_tokens=args.max_prompt_tokens,
         max_batch=args.max_batch,
+        prefill_chunk=args.prefill_chunk,
     )
 
 

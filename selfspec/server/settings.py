@@ -25,7 +25,6 @@ REQUEST_DRAFT_OPTIONS = (
 )
 MAX_REQUEST_NGRAM = 8
 PROMPT_TOKENS_PER_CORE = 2048  # default prompt limit per CPU core (see default_max_prompt_tokens)
-DEFAULT_PREFILL_CHUNK = 128  # prompt tokens per prefill chunk: a running stream waits at most one chunk
 
 
 @dataclass
@@ -45,7 +44,7 @@ class ServerSettings:
     max_stop: int = 16  # most stop strings per request
     max_request_bytes: int = 8 * 1024 * 1024  # larger bodies -> 413
     max_prompt_tokens: int | None = None  # longer prompts -> 400; None: default_max_prompt_tokens
-    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt rows per batch step: running streams wait one chunk, not a prompt
+    prefill_chunk: int | None = None  # prompt rows per batch step (running streams wait one chunk, not a prompt); None: batch.default_prefill_chunk()
     max_batch: int | None = None  # sequences decoding at once; None: default_max_batch() (from the CPU count)
     replica_id: str = ""  # shown in the X-SelfSpec-Replica header and the stats (Ray Serve)
 
@@ -54,12 +53,11 @@ class ServerSettings:
         self.aliases = tuple(a for a in self.aliases if a and a != self.model_name)
         if not self.model_name:
             raise SelfSpecError("the served model name is empty")
-        for name in ("max_concurrency", "max_new_tokens_limit", "default_max_tokens", "max_stop", "max_request_bytes",
-                     "prefill_chunk"):
+        for name in ("max_concurrency", "max_new_tokens_limit", "default_max_tokens", "max_stop", "max_request_bytes"):
             v = getattr(self, name)
             if v < 1:
                 raise SelfSpecError(f"{name} must be a positive integer, got {v!r}")
-        for name in ("max_prompt_tokens", "max_batch"):
+        for name in ("max_prompt_tokens", "max_batch", "prefill_chunk"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise SelfSpecError(f"{name} must be a positive integer, got {v!r}")
