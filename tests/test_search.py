@@ -321,6 +321,48 @@ def test_auto_starts_from_the_acceptance_its_profile_measured(tmp_path, monkeypa
     assert out.token_ids == ar_generate(m, p, max_new_tokens=20).token_ids and out.stats.draft["source"] == "profile"
 
 
+def test_auto_over_a_profile_takes_lookup_matches_in_greedy_decoding_only(tmp_path, monkeypatch):
+    """auto wraps a profile's self-draft in a greedy-only lookup-first: the prompt lookup is
+    consulted first in greedy decoding (a match drafts for free); when sampling (a copied token is accepted with
+    probability p(x) only) the lookup is never consulted. Lossless and seed-exact either way; copied
+    drafts leave auto's acceptance estimate alone."""
+    from selfspec.batch.sequence import kind_of
+    from selfspec.drafters import LookupFirstDrafter
+    from selfspec.profiles import install_profile
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    m = _ideal(seed=7)
+    install_profile(Profile(DraftConfig("early-exit", exit_layer=3, num_speculations=4), m.fingerprint, "ideal"))
+    m.resources.cost_model = lambda heads=(), bits=(): _fake_costs(L=6, head=1.0)  # drafting pays (test_auto_drafts_on_an_ideal_model)
+    p = [7, 8, 9, 10, 11, 7, 8, 9, 10, 11, 7, 8, 9]  # repeats: the lookup has matches
+    for temperature, seed in ((0.0, None), (0.9, 3)):
+        d = m.drafter(DraftConfig("auto"))
+        d.timing = False
+        assert isinstance(d.base, LookupFirstDrafter) and d.base.greedy_only
+        assert kind_of(d) == "depth"  # a batch drafts the self-draft in one forward with the others
+        found, estimates = [], []
+        real, real_accepted = d.base.lookup.draft, d.accepted
+        d.base.lookup.draft = lambda step: found.append(real(step)) or found[-1]
+
+        def accepted(step, draft, n):
+            before = (d.A, d.R)
+            real_accepted(step, draft, n)
+            estimates.append((draft.copied, before == (d.A, d.R)))
+
+        d.accepted = accepted
+        sampling = SamplingConfig(temperature=temperature, seed=seed)
+        out = generate(m.runtime, d, p, ar_gen(24), sampling)
+        if temperature == 0:
+            assert out.token_ids == ar_generate(m, p, max_new_tokens=24).token_ids
+            assert len(found) > 0 and out.stats.drafted > 0  # consulted at every drafting step
+            assert any(c for c, _ in estimates) and all(same for c, same in estimates if c)  # copies: estimate untouched
+            assert any(not same for c, same in estimates if not c)  # its own drafts: learnt from
+        else:
+            assert found == [] and out.stats.drafted > 0 and not any(c for c, _ in estimates)
+            again = m.generate(p, max_new_tokens=24, strategy="auto", temperature=temperature, seed=seed)
+            assert again.token_ids == out.token_ids
+
+
 def test_auto_config_validation():
     with pytest.raises(SelfSpecError, match="base is not used by the early-exit strategy"):
         DraftConfig("early-exit", exit_layer=1, base=DraftConfig("prompt-lookup"))

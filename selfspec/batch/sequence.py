@@ -28,7 +28,7 @@ import torch
 
 from selfspec.config import DraftConfig, GenerationConfig, SamplingConfig
 from selfspec.drafters import (AutoDrafter, Drafter, EarlyExitDrafter, ExitAdapterDrafter, LayerSkipDrafter,
-                               PromptLookupDrafter)
+                               LookupFirstDrafter, PromptLookupDrafter)
 from selfspec.drafters.base import Draft, Step
 from selfspec.engine import GenerationResult, GenerationStats, StreamEvent, _Output
 from selfspec.sampling import distribution, make_rng
@@ -73,8 +73,17 @@ class BatchHandle:
         self._done.set()
 
 
+def batch_drafter(d: Drafter) -> Drafter:
+    """What drafts in a batch: a greedy-only lookup-first (auto over a profile's self-draft)
+    drafts with its self-draft alone there, so the batch drafts it in one forward with the
+    other sequences; its sampling is the inner drafter's anyway, so a seed still gives the
+    solo tokens, and greedy drafts are the planner's in a batch whatever they would be solo."""
+    return d.inner if isinstance(d, LookupFirstDrafter) and d.greedy_only else d
+
+
 def kind_of(d: Drafter) -> str:
     """How the engine drives a drafter (module doc); for auto, its base's kind."""
+    d = batch_drafter(d)
     if isinstance(d, AutoDrafter):
         return "solo" if d.base is None else kind_of(d.base)
     if type(d) is Drafter:
@@ -127,7 +136,7 @@ class Sequence:
     def actor(self) -> Drafter:
         """The drafter that makes the drafts (auto's base, else the drafter itself)."""
         a = self.auto
-        return a.base if a is not None else self.drafter
+        return batch_drafter(a.base if a is not None else self.drafter)
 
     @property
     def max_draft(self) -> int:

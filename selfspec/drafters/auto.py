@@ -143,6 +143,8 @@ class AutoDrafter(Drafter):
         # the choice of k decides how the RNG is consumed, and a seed must reproduce the
         # output, so decisions there depend on acceptance and the (per-model) costs alone.
         timing = self.timing and step.sampling.greedy
+        if draft.copied:  # a prompt-lookup copy (a lookup-first base): free, and says nothing of the self-draft
+            return
         if self._k == 0 or d == 0:  # a plain decoding step (or a draft that came back empty)
             if timing:
                 self.scale_ar = 0.8 * self.scale_ar + 0.2 * elapsed / self.costs.ar_step

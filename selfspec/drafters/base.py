@@ -46,6 +46,7 @@ class Step:
 class Draft:
     tokens: list[int] = field(default_factory=list)
     dists: list[Dist] = field(default_factory=list)  # the distribution each token was drawn from; sampling only
+    copied: bool = False  # copied from the context (prompt lookup): free, and no evidence of how a self-draft agrees
 
 
 class Drafter:

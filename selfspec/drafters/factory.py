@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from selfspec.config import DraftConfig
+from selfspec.config import SELF_DRAFTING, DraftConfig
 from selfspec.errors import SelfSpecError
 from selfspec.drafters.auto import AutoDrafter
 from selfspec.drafters.base import Drafter
@@ -99,8 +99,12 @@ def build_auto(cfg: DraftConfig, res: DraftResources, eos_ids: tuple[int, ...] =
             base_cfg, source = (prof.draft.base if prof.draft.strategy == "auto" else prof.draft), "profile"
             prior = profile_prior(prof)
     if base_cfg is not None:
-        return AutoDrafter(rt, cfg, eos_ids, base=build(base_cfg, res, eos_ids), costs=costs_for(base_cfg, res), source=source,
-                           prior=prior)
+        base = build(base_cfg, res, eos_ids)
+        if source == "profile" and base_cfg.strategy in SELF_DRAFTING and not base_cfg.lookup_first:
+            # greedy decoding takes a prompt-lookup match first (free drafts, which auto's
+            # acceptance estimate leaves out: Draft.copied); sampling does not
+            base = LookupFirstDrafter(base, base_cfg, greedy_only=True)  # reported as the profile's draft
+        return AutoDrafter(rt, cfg, eos_ids, base=base, costs=costs_for(base_cfg, res), source=source, prior=prior)
     n = cfg.draft_vocab
     if n is None and rt.spec.vocab_size > 2 * AUTO_DRAFT_VOCAB and res.has_token_order():
         n = AUTO_DRAFT_VOCAB  # FR-Spec: on a big vocabulary the full draft head would dominate

@@ -13,7 +13,7 @@ class PromptLookupDrafter(Drafter):
     name = "prompt-lookup"
 
     def draft(self, step: Step) -> Draft:
-        d = Draft(lookup_continuation(step.tokens, self.cfg.max_ngram, step.k))
+        d = Draft(lookup_continuation(step.tokens, self.cfg.max_ngram, step.k), copied=True)
         for i, t in enumerate(d.tokens):  # drafting past an EOS is wasted work
             if t in self.eos_ids:
                 d.tokens = d.tokens[: i + 1]

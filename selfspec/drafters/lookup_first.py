@@ -11,14 +11,19 @@ from selfspec.drafters.lookup import PromptLookupDrafter
 class LookupFirstDrafter(Drafter):
     """The wrapped drafter verifies lookup drafts too (verify_foreign: a full forward pass, or
     early exit's split one), so any per-position state it keeps stays whole; its adaptation
-    follows its own drafts only."""
+    follows its own drafts only.
 
-    def __init__(self, inner: Drafter, cfg: DraftConfig):
+    greedy_only: consult the lookup in greedy decoding only. A copied token is accepted with
+    probability p(x) when sampling, so there the self-draft alone does better (default model,
+    quantized int8 K=5: greedy 104 -> 117 tok/s with the lookup, sampling 100 -> 86);
+    auto uses it so for a profile's self-draft."""
+
+    def __init__(self, inner: Drafter, cfg: DraftConfig, greedy_only: bool = False):
         super().__init__(inner.rt, cfg, tuple(inner.eos_ids))
-        self.inner = inner
+        self.inner, self.greedy_only = inner, greedy_only
         lookup = DraftConfig("prompt-lookup", num_speculations=cfg.num_speculations, max_ngram=cfg.max_ngram)
         self.lookup = PromptLookupDrafter(inner.rt, lookup, tuple(inner.eos_ids))
-        self.name = f"{inner.name}+lookup"
+        self.name = f"{inner.name}+lookup" + (" (greedy)" if greedy_only else "")
         self._from_lookup = False
 
     def prefill(self, ids, cache):
@@ -28,7 +33,8 @@ class LookupFirstDrafter(Drafter):
         self.inner.start(cache)
 
     def draft(self, step):
-        d = self.lookup.draft(step) if step.k > 0 else Draft()
+        use = step.k > 0 and (step.sampling.greedy or not self.greedy_only)
+        d = self.lookup.draft(step) if use else Draft()
         self._from_lookup = bool(d.tokens)
         return d if d.tokens else self.inner.draft(step)
 
