@@ -235,6 +235,8 @@ STRATEGIES = {
     "early-exit E=15 K=3 + lookup": dict(strategy="early-exit", exit_layer=15, num_speculations=3, draft_vocab=16384,
                                          lookup_first=True),
     "layer-skip MLP 8,10,13 K=3": dict(strategy="layer-skip", skip_mlp="8,10,13", num_speculations=3),
+    "quantized int8, 16k head, K=5": dict(strategy="quantized", draft_bits=8, draft_vocab=16384, num_speculations=5),
+    "quantized int4, 16k head, K=4": dict(strategy="quantized", draft_bits=4, draft_vocab=16384, num_speculations=4),
 }
 
 
