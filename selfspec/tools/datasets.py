@@ -27,7 +27,7 @@ Other sources:
   path.jsonl             one JSON object per line: `prompt` (required), `reference`
                          (optional; also read from --reference-field), optional `id` and
                          `task` ("code" turns on the parse check).
-  hf:NAME[:config]:split through the `datasets` library (local cache or hub). CNN/DailyMail,
+  hf:NAME[:config]:split through the `datasets` library, from its local cache only (never the hub). CNN/DailyMail,
                          XSum and HumanEval get LayerSkip's formats ("Article: ...\\nSummary:",
                          n-shot examples from the train split); any other set reads
                          --prompt-field / --reference-field.
@@ -153,18 +153,25 @@ def parse_hf_spec(spec: str) -> tuple[str, str | None, str]:
     raise SelfSpecError(f"bad dataset {spec!r}: expected hf:NAME[:config]:split, e.g. hf:cnn_dailymail:3.0.0:test")
 
 
-def _hf_load(name: str, config: str | None, split: str):
+def hf_load(name: str, config: str | None, split: str):
+    """A `datasets` split from the local cache (never the hub); a one-line SelfSpecError otherwise."""
+    # Nothing downloads from a hub at run time: `datasets` reads these when it is imported.
+    os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
     try:
         import datasets  # optional (the datasets extra): only hf: sets need it
     except ImportError as e:
         raise SelfSpecError("hf: data sets need the `datasets` package (pip install datasets)") from e
+    cfg = getattr(datasets, "config", None)
+    if cfg is not None and not (getattr(cfg, "HF_HUB_OFFLINE", False) or getattr(cfg, "HF_DATASETS_OFFLINE", False)):
+        raise SelfSpecError("hf: data sets are read from the local datasets cache only, but `datasets` was imported "
+                            "online before selfspec; set HF_HUB_OFFLINE=1 before starting")
     try:
         return datasets.load_dataset(name, config, split=split) if config else datasets.load_dataset(name, split=split)
     except Exception as e:  # offline, unknown name, missing config/split: many exception types
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise SelfSpecError(
-            f"cannot load hf:{name}{':' + config if config else ''}:{split} ({msg}); it needs a local copy in the "
-            "datasets cache or a connection to the hub (HF_DATASETS_OFFLINE=1 forces the cache)"
+            f"cannot load hf:{name}{':' + config if config else ''}:{split} ({msg}); it is read from the local "
+            "datasets cache only, never downloaded from the hub: put a copy there first"
         ) from e
 
 
@@ -177,7 +184,7 @@ def _hf(spec: str, num_samples: int, seed: int, n_shot: int, prompt_field: str, 
         config = config or default_config
     else:
         task, pf, rf = "custom", prompt_field, reference_field
-    data = _hf_load(name, config, split)
+    data = hf_load(name, config, split)
     columns = set(getattr(data, "column_names", None) or (data[0].keys() if len(data) else ()))
     if pf not in columns:
         raise SelfSpecError(f"hf:{name} has no field {pf!r} (fields: {', '.join(sorted(columns))}); use --prompt-field")
@@ -198,7 +205,7 @@ def _hf(spec: str, num_samples: int, seed: int, n_shot: int, prompt_field: str, 
         # LayerSkip draws the shots from the train split; a set without one uses unchosen rows
         shots_split = "train" if split != "train" else split
         try:
-            shot_data = _hf_load(name, config, shots_split) if shots_split != split else data
+            shot_data = hf_load(name, config, shots_split) if shots_split != split else data
         except SelfSpecError:
             shot_data = data
         taken = set(idx) if shot_data is data else set()

@@ -36,7 +36,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from selfspec.errors import SelfSpecError
 from selfspec.tools.builtin_sets import license_files, topics
-from selfspec.tools.datasets import parse_hf_spec
+from selfspec.tools.datasets import hf_load, parse_hf_spec
 from selfspec.training.config import DataConfig
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
@@ -119,16 +119,7 @@ def _row_document(row, doc_id: str, cfg: DataConfig, where: str) -> Document | N
 
 
 def _hf_documents(spec: str, cfg: DataConfig) -> list[Document]:
-    name, config, split = parse_hf_spec(spec)
-    try:
-        import datasets  # optional (the datasets extra): only hf: training data needs it
-    except ImportError as e:
-        raise SelfSpecError("hf: data needs the `datasets` package (pip install 'selfspec[datasets]')") from e
-    try:
-        data = datasets.load_dataset(name, config, split=split) if config else datasets.load_dataset(name, split=split)
-    except Exception as e:  # offline, unknown name, bad split: many exception types
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise SelfSpecError(f"cannot load {spec} ({msg})") from e
+    data = hf_load(*parse_hf_spec(spec))  # the local datasets cache only, as the evaluation sets
     return [d for i, row in enumerate(data) if (d := _row_document(row, f"{spec}[{i}]", cfg, f"{spec} row {i}")) is not None]
 
 
