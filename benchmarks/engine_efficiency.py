@@ -30,6 +30,7 @@ from rich.table import Table
 
 import selfspec
 from selfspec.config import DraftConfig
+from selfspec.predictor.costs import time_call
 
 
 def ideal_model(dtype, dead_layers: list[int]):
@@ -44,13 +45,7 @@ def ideal_model(dtype, dead_layers: list[int]):
 
 
 def timed(fn, repeats=5) -> float:
-    fn()
-    ts = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+    return time_call(fn, repeats, statistics.median)
 
 
 def primitive_costs(m, E: int | None, K: int, skip: frozenset[int] = frozenset()) -> tuple[float, float, float]:

@@ -26,6 +26,7 @@ from rich.table import Table
 
 import selfspec
 from selfspec.config import SamplingConfig
+from selfspec.predictor.costs import time_call
 from selfspec.runtime import quantize_columns
 from selfspec.sampling import probs_from_logits
 from selfspec.tools.datasets import load_dataset
@@ -66,13 +67,7 @@ def agreement(m, draft_rt, head, vocab, ids: list[int], start: int) -> tuple[lis
 
 
 def step_time(fn, repeats: int = 20) -> float:
-    fn()
-    ts = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+    return time_call(fn, repeats, statistics.median)
 
 
 def main() -> None:

@@ -152,7 +152,7 @@ def _count_draft_sources(d) -> list[int]:
     def counting(step):
         out = draft(step)
         if out.tokens:
-            counts[d._from_lookup] += 1
+            counts[out.copied] += 1
         return out
 
     d.draft = counting

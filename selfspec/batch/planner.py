@@ -20,13 +20,13 @@ they are used for greedy decoding only (module sequence.py says why not when sam
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from selfspec.cache import SegmentTable
+from selfspec.predictor.costs import time_call
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -50,8 +50,8 @@ class BatchCosts:
             for r in ROWS:
                 table = _spread(caches, r, context)
                 h = (torch.randn(r, H, generator=gen) * 0.1).to(rt.device, rt.dtype)
-                layers[r] = _timed(lambda: rt.run_layers_batch(h, 0, rt.num_layers, table), repeats)
-                head[r] = _timed(lambda: rt.logits(h), repeats)
+                layers[r] = time_call(lambda: rt.run_layers_batch(h, 0, rt.num_layers, table), repeats, statistics.median)
+                head[r] = time_call(lambda: rt.logits(h), repeats, statistics.median)
         return cls(_monotone(layers), _monotone(head))
 
     @staticmethod
@@ -110,7 +110,7 @@ def measure_draft(draft_rt, exit_layer: int, head, skip_attn=frozenset(), skip_m
                 h = draft_rt.run_layers_batch(draft_rt.embed(toks), 0, exit_layer, table, skip_attn, skip_mlp)
                 draft_rt.logits(h, head=head)
 
-            out[r] = _timed(fn, repeats)
+            out[r] = time_call(fn, repeats, statistics.median)
     return _monotone(out)
 
 
@@ -120,17 +120,6 @@ def _spread(caches: list, rows: int, context: int) -> SegmentTable:
     n = min(rows, len(caches))
     sizes = [rows // n + (i < rows % n) for i in range(n)]
     return SegmentTable([(c, context, s) for c, s in zip(caches, sizes)])
-
-
-def _timed(fn, repeats: int) -> float:
-    """Median seconds of `repeats` calls after one untimed warm-up call."""
-    fn()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
 
 
 def _monotone(table: dict[int, float]) -> dict[int, float]:

@@ -24,7 +24,6 @@ class LookupFirstDrafter(Drafter):
         lookup = DraftConfig("prompt-lookup", num_speculations=cfg.num_speculations, max_ngram=cfg.max_ngram)
         self.lookup = PromptLookupDrafter(inner.rt, lookup, tuple(inner.eos_ids))
         self.name = f"{inner.name}+lookup" + (" (greedy)" if greedy_only else "")
-        self._from_lookup = False
 
     def prefill(self, ids, cache):
         return self.inner.prefill(ids, cache)
@@ -35,15 +34,14 @@ class LookupFirstDrafter(Drafter):
     def draft(self, step):
         use = step.k > 0 and (step.sampling.greedy or not self.greedy_only)
         d = self.lookup.draft(step) if use else Draft()
-        self._from_lookup = bool(d.tokens)
         return d if d.tokens else self.inner.draft(step)
 
     def verify(self, step, draft):
-        return self.inner.verify_foreign(step, draft) if self._from_lookup else self.inner.verify(step, draft)
+        return self.inner.verify_foreign(step, draft) if draft.copied else self.inner.verify(step, draft)
 
     def verify_foreign(self, step, draft):
         return self.inner.verify_foreign(step, draft)
 
     def accepted(self, step, draft, n):
-        if not self._from_lookup:
+        if not draft.copied:
             self.inner.accepted(step, draft, n)

@@ -16,6 +16,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +41,18 @@ def _interp(table: dict[int, float], rows: int) -> float:
     return float(np.interp(rows, xs, [table[x] for x in xs]))
 
 
+def time_call(fn, repeats: int, reduce=min) -> float:
+    """reduce (min, or statistics.median) of the seconds of `repeats` calls of fn, after one
+    untimed warm-up call."""
+    fn()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return reduce(ts)
+
+
 @dataclass
 class CostModel:
     """Seconds for the runtime's primitives at each timed row count (ROWS)."""
@@ -60,22 +73,13 @@ class CostModel:
         medians on a busy 2-core machine came out tens of times too high), averaged over
         `layers` evenly spaced layers. `draft_heads`: head_key -> a head as the runtime multiplies it (prepared or
         quantized); `quantized`: bits -> the quantized copy of the runtime (1-row sub-layers)."""
-        clock = time.perf_counter
         cache = runtime.new_cache(256)
         L = runtime.num_layers
         probe_layers = sorted({round(i * (L - 1) / max(layers - 1, 1)) for i in range(layers)})
         all_layers = frozenset(range(L))
         gen = torch.Generator().manual_seed(0)
         H = runtime.spec.hidden_size
-
-        def timed(fn) -> float:
-            fn()  # warm-up
-            ts = []
-            for _ in range(repeats):
-                t0 = clock()
-                fn()
-                ts.append(clock() - t0)
-            return min(ts)
+        timed = partial(time_call, repeats=repeats)  # min, not median (above)
 
         attn, mlp, head = {}, {}, {}
         with torch.inference_mode():
