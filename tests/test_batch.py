@@ -243,6 +243,21 @@ def test_measure_draft_times_the_draft_forward():
     assert all(got[b] >= got[a] for a, b in zip(DRAFT_ROWS, DRAFT_ROWS[1:]))
 
 
+def test_server_warmup_times_the_draft_forward_before_traffic(monkeypatch):
+    """The planner times a self-draft's batched forward on first use (a few hundred ms on the
+    default model): the server's warm-up does it, so no request waits for it."""
+    from selfspec.server.worker import warmup
+
+    m = _ideal("float32")
+    draft = DraftConfig("quantized", num_speculations=3, draft_bits=8)
+    warmup(m, draft)
+    calls: list = []
+    real = planner.measure_draft
+    monkeypatch.setattr(planner, "measure_draft", lambda *a, **k: calls.append(a) or real(*a, **k))
+    out = _run(m, [_req(p, draft) for p in prompts(n=3, seed=5, lengths=(6, 9, 4))])
+    assert calls == [] and all(r.finish_reason == "length" for r in out)
+
+
 def test_generate_batch_api(zoo):
     from helpers import word_tokenizer
 
