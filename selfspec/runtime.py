@@ -13,7 +13,7 @@ each row is computed exactly as alone (selfspec/batch uses it). A verify pass ov
 produce *bit-identical* rows to T single-token steps (so speculative greedy output equals
 autoregressive output exactly, not just up to rounding).
 
-On the CPU (bf16 and fp32, x86-64 with AVX-512) that holds by construction: one C call per
+On the CPU (bf16 and fp32, x86-64 with AVX2 + FMA, or AVX-512) that holds by construction: one C call per
 attention / MLP sub-layer (kernels.FusedBlocks, csrc/blocks.c) whose matmuls are the
 fixed-chain kernel (csrc/gemm.c) and whose attention loops over exactly the visible keys in
 order; the final norm, LM head and soft-cap are the same kernels. Every row is computed alone
@@ -197,6 +197,12 @@ class Runtime:
         """Bytes of weights one decode step reads (layers + LM head; the embedding is a gather)."""
         return sum(_nbytes(t) for L in self.layers for t in L.values()) + _nbytes(self.head) + _nbytes(self.final_norm)
 
+    def kernels_missing(self) -> str:
+        """Why this runtime does not run on selfspec's kernels, in words (for one-line errors)."""
+        if self.device.type != "cpu":
+            return f"the model is on {self.device.type}"
+        return kernels.load_error() or ("disabled by SELFSPEC_NO_KERNELS" if not kernels.available() else f"{self.dtype} weights")
+
     def quantized(self, bits: int, group: int = INT4_GROUP, made: dict | None = None) -> "Runtime":
         """A drafting copy of this runtime whose layer matrices are `bits`-bit copies of its own
         (selfspec.quant; int4 in groups of `group` rows). Embeddings, norms, rotary tables and
@@ -205,8 +211,8 @@ class Runtime:
         exact keys and values. CPU kernels only. `made`: {"<layer>.<matrix>": QuantizedWeight}
         made earlier (quant_store), used where present."""
         if not self.uses_kernels:
-            raise SelfSpecError("quantized drafting needs selfspec's CPU kernels (x86-64 with AVX-512); "
-                                f"they are unavailable here ({kernels.load_error() or self.device.type})")
+            raise SelfSpecError("quantized drafting needs selfspec's CPU kernels (x86-64 with AVX2 or AVX-512); "
+                                f"they are unavailable here ({self.kernels_missing()})")
         if bits == 4 and group != INT4_GROUP:
             raise ValueError(f"int4 copies use groups of {INT4_GROUP} rows (the kernel's activation block), got {group}")
         made = made or {}

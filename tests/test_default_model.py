@@ -174,6 +174,28 @@ def test_bfloat16_strategies_equal_autoregressive(default_model_bf16, autoregres
     assert drafted > 0  # drafts were verified, not only plain steps compared
 
 
+def test_auto_where_the_kernels_cannot_run_skips_a_quantized_profile(monkeypatch, caplog):
+    """The shipped profile drafts with an int8 copy, which needs the CPU kernels. Where they
+    cannot run (another CPU, no compiler, SELFSPEC_NO_KERNELS=1) the default strategy must still
+    generate (the README's first command): auto says so once and chooses per prompt, with plain
+    decoding's tokens."""
+    import selfspec
+    from selfspec.drafters import factory
+
+    monkeypatch.setenv("SELFSPEC_NO_KERNELS", "1")
+    monkeypatch.setattr(factory, "_noted_unrunnable", set())
+    m = selfspec.load("gemma-3-270m", dtype="bfloat16", device="cpu")
+    assert not m.runtime.uses_kernels
+    prompt = BF16_PROMPTS[0]
+    ar = ar_generate(m, prompt, max_new_tokens=8)
+    with caplog.at_level("WARNING", logger="selfspec"):
+        outs = [m.generate(prompt, max_new_tokens=8, strategy="auto") for _ in range(2)]
+    assert all(o.token_ids == ar.token_ids for o in outs)
+    assert all(o.stats.draft["source"] == "calibrated" for o in outs)
+    notes = [r for r in caplog.records if "needs selfspec's CPU kernels" in r.getMessage()]
+    assert len(notes) == 1
+
+
 def test_row_invariance_real_model(default_model):
     """The real shapes (hidden 640, GQA 4:1, head_dim 256, vocab 262144): a block of T rows
     equals T single-token forwards bit for bit."""

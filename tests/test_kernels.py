@@ -10,10 +10,10 @@ from selfspec.kernels import build
 
 
 def _buildable() -> bool:
-    """The kernels must build here: x86-64 with AVX-512 F/BW/VL and FMA, a compiler, not disabled."""
+    """The kernels must build here: x86-64 with AVX-512 F/BW/VL, or AVX2 + FMA + F16C, a compiler,
+    not disabled."""
     return (os.environ.get("SELFSPEC_NO_KERNELS", "") in ("", "0") and platform.machine() in ("x86_64", "AMD64")
-            and {"avx512f", "avx512bw", "avx512vl", "fma"} <= kernels._cpu_flags()
-            and shutil.which(os.environ.get("CC", "gcc")) is not None)
+            and build.isa() is not None and shutil.which(os.environ.get("CC", "gcc")) is not None)
 
 
 # Skipped only where the CPU cannot run them; where it can, a failed build fails the tests
@@ -24,7 +24,7 @@ needs_kernels = pytest.mark.skipif(not _buildable(), reason="this CPU/toolchain 
 def test_kernels_build_where_the_cpu_can():
     """CI must not quietly run the torch fallback on a machine our kernels were written for."""
     if not _buildable():
-        pytest.skip("no x86-64 AVX-512 CPU with a C compiler here")
+        pytest.skip("no x86-64 CPU with AVX2 (or AVX-512) and a C compiler here")
     assert kernels.available(), f"the kernels did not build on a capable CPU: {kernels.load_error()}"
     if "avx512_bf16" in kernels._cpu_flags():
         assert kernels.has_pairs(), "the CPU has AVX512-BF16 but the pair (VDPBF16PS) path was not compiled in"
@@ -211,3 +211,67 @@ def test_unavailable_without_compiler(monkeypatch, tmp_path):
     monkeypatch.delenv("SELFSPEC_NO_KERNELS", raising=False)
     assert kernels.available() is False
     assert "not found" in kernels.load_error()
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_avx2_code_gives_the_avx512_bits(tmp_path, monkeypatch, dtype):
+    """The kernels have AVX-512 and AVX2 code (csrc/simd.h) for the same chains: the library
+    built with -mno-avx512f gives this build's bits for matmuls (1..13 rows, both weight dtypes,
+    a partial tile), quantized matmuls and whole attention / MLP blocks. (Where this CPU has no
+    AVX-512 both libraries are AVX2 code: the test then only checks a second build agrees.)"""
+    import ctypes
+    import subprocess
+
+    import selfspec
+    from selfspec import quant
+    from helpers import build_hf
+
+    cc = os.environ.get("CC", "gcc")
+    lib = tmp_path / "libgemm_avx2.so"
+    subprocess.run([cc, *build._FLAGS, "-mno-avx512f", *map(str, build._SRCS), "-o", str(lib)],
+                   check=True, capture_output=True, timeout=300)
+    alt = ctypes.CDLL(str(lib))
+    alt.selfspec_gemm.argtypes = [ctypes.c_long] * 3 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                                                         ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    alt.selfspec_qgemm.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                   ctypes.c_int, ctypes.c_int]
+    alt.selfspec_attn_block.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 2
+                                        + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int])
+    alt.selfspec_mlp_block.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long, ctypes.c_int]
+    bf = int(dtype == torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    for k, n in ((640, 1536), (96, 200)):
+        w = (torch.randn(k, n, generator=g) / k**0.5).to(dtype)
+        for packed, wt in ((0, w), (1, kernels.pack(w, pairs=False).data)):
+            for m in (1, 2, 3, 4, 5, 6, 7, 13):
+                x = torch.randn(m, k, generator=g).to(dtype)
+                y = torch.empty(m, n, dtype=dtype)
+                assert alt.selfspec_gemm(m, k, n, x.data_ptr(), bf, wt.data_ptr(), bf, packed, y.data_ptr(), bf, 2) == 0
+                assert torch.equal(y, kernels.matmul(x, wt if packed == 0 else kernels.pack(w, pairs=False))), (k, n, packed, m)
+        for bits in (8, 4):
+            qw = quant.quantize(w.float(), bits)
+            for m in (1, 3, 5):
+                x = torch.randn(m, k, generator=g).to(dtype)
+                y = torch.empty(m, n, dtype=dtype)
+                assert alt.selfspec_qgemm(m, x.data_ptr(), bf, ctypes.addressof(qw.desc), y.data_ptr(), bf, 2) == 0
+                assert torch.equal(y, kernels.matmul(x, qw)), (bits, k, n, m)
+    # whole sub-layers: the alternative library reads the runtime's own layer descriptors
+    monkeypatch.setattr("selfspec.kernels.weights.has_pairs", lambda: False)  # the FMA chain in both builds
+    hf = build_hf("gemma3", seed=1, hidden_size=128, intermediate_size=256, vocab_size=256)
+    rt = selfspec.load(hf, dtype=str(dtype).removeprefix("torch.")).runtime
+    fb, cache = rt.blocks, rt.new_cache(64)
+    h = torch.randn(9, rt.spec.hidden_size, generator=g).to(dtype)
+    cos, sin = (t[:9].contiguous() for t in rt._rope[rt.spec.rope_kinds[0]])
+    kt, v = cache.kt, cache.v
+    for i in range(2):
+        a, b = h.clone(), h.clone()
+        fb.attention(i, a, 0, cache, None, cos, sin, 2)
+        a_kv = (kt[i].clone(), v[i].clone())
+        assert alt.selfspec_attn_block(fb._dims_ptr, fb._layer_ptrs[i], b.data_ptr(), 9, 0, kt[i].data_ptr(), v[i].data_ptr(),
+                                       cache.capacity, 0, cos.data_ptr(), sin.data_ptr(), 2) == 0
+        assert torch.equal(a, b) and torch.equal(kt[i], a_kv[0]) and torch.equal(v[i], a_kv[1]), i
+        fb.mlp(i, a, 2)
+        assert alt.selfspec_mlp_block(fb._dims_ptr, fb._layer_ptrs[i], b.data_ptr(), 9, 2) == 0
+        assert torch.equal(a, b), i
+

@@ -18,7 +18,7 @@
  *   softmax: m = max_j s_j; e_j = expf(s_j - m); Z = ((e_lo + e_lo+1) + ...) in order.
  *   out[d]  = chain over j: acc = fmaf(e_j, v[j][d], acc); then / Z.
  */
-#include <immintrin.h>
+#include "simd.h"
 #include <stdint.h>
 #include <string.h>
 #include <stdlib.h>
@@ -59,21 +59,16 @@ static inline long first_key(long p, long window) {
     return (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
 }
 
-/* the first n of 16 lanes (n >= 16: all) */
-static inline __mmask16 lanes(long n) {
-    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
-}
-
 static float sumsq(const float *x, long n) {
-    __m512 acc = _mm512_setzero_ps();
+    vf16 acc = vf_zero();
     long i = 0;
-    for (; i + 16 <= n; i += 16) { __m512 v = _mm512_loadu_ps(x + i); acc = _mm512_fmadd_ps(v, v, acc); }
+    for (; i + 16 <= n; i += 16) { vf16 v = vf_loadu(x + i); acc = vf_fmadd(v, v, acc); }
     if (i < n) {
-        __m512 v = _mm512_maskz_loadu_ps(lanes(n - i), x + i);
-        acc = _mm512_fmadd_ps(v, v, acc);
+        vf16 v = vf_maskz_loadu(lanes16(n - i), x + i);
+        acc = vf_fmadd(v, v, acc);
     }
     float lanes[16], s = 0.0f;
-    _mm512_storeu_ps(lanes, acc);
+    vf_storeu(lanes, acc);
     for (int l = 0; l < 16; l++) s += lanes[l];
     return s;
 }
@@ -96,20 +91,19 @@ static void rope(float *x, const float *cs, const float *sn, long D) {
 
 /* e^x for 16 lanes (Cephes expf: x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial, scaled by
  * 2^n; ~1 ulp). Scalar libm calls made the activation the slowest part of the MLP block. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
+static inline vf16 exp16(vf16 x) {
+    x = vf_min(vf_max(x, vf_set1(-87.3f)), vf_set1(88.3f));
+    vf16 n = vf_round(vf_mul(x, vf_set1(1.44269504088896341f)));
+    vf16 r = vf_fnmadd(n, vf_set1(0.693359375f), x);
+    r = vf_fnmadd(n, vf_set1(-2.12194440e-4f), r);
+    vf16 p = vf_set1(1.9875691500E-4f);
+    p = vf_fmadd(p, r, vf_set1(1.3981999507E-3f));
+    p = vf_fmadd(p, r, vf_set1(8.3334519073E-3f));
+    p = vf_fmadd(p, r, vf_set1(4.1665795894E-2f));
+    p = vf_fmadd(p, r, vf_set1(1.6666665459E-1f));
+    p = vf_fmadd(p, r, vf_set1(5.0000001201E-1f));
+    p = vf_fmadd(vf_mul(p, r), r, vf_add(r, vf_set1(1.0f)));
+    return vf_scalef(p, n);
 }
 
 /* a[i] = act(gate[i]) * up[i]. silu(x) = x / (1 + e^-x); the tanh GELU
@@ -120,16 +114,16 @@ static void gated_activation(int act, const float *gate, const float *up, float 
         return;
     }
     for (long i = 0; i < n; i += 16) {
-        __mmask16 mk = lanes(n - i);
-        __m512 x = _mm512_maskz_loadu_ps(mk, gate + i), s;
+        m16 mk = lanes16(n - i);
+        vf16 x = vf_maskz_loadu(mk, gate + i), s;
         if (act == 0) s = x;
         else {
-            __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
-            s = _mm512_mul_ps(_mm512_set1_ps(2.0f * 0.79788456080286536f), _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), x3, x));
+            vf16 x3 = vf_mul(vf_mul(x, x), x);
+            s = vf_mul(vf_set1(2.0f * 0.79788456080286536f), vf_fmadd(vf_set1(0.044715f), x3, x));
         }
-        __m512 z = exp16(_mm512_sub_ps(_mm512_setzero_ps(), s));
-        __m512 g = _mm512_div_ps(x, _mm512_add_ps(z, _mm512_set1_ps(1.0f)));
-        _mm512_mask_storeu_ps(a + i, mk, _mm512_mul_ps(g, _mm512_maskz_loadu_ps(mk, up + i)));
+        vf16 z = exp16(vf_sub(vf_zero(), s));
+        vf16 g = vf_div(x, vf_add(z, vf_set1(1.0f)));
+        vf_mask_storeu(a + i, mk, vf_mul(g, vf_maskz_loadu(mk, up + i)));
     }
 }
 
@@ -142,10 +136,9 @@ static inline void put_f(void *a, long i, float v, int f32) {
     if (f32) ((float *)a)[i] = v; else ((uint16_t *)a)[i] = f2bf(v);
 }
 /* 16 consecutive elements from element i (masked lanes read as 0), as fp32 (exact) */
-static inline __attribute__((always_inline)) __m512 load16(const void *a, long i, __mmask16 mk, int f32) {
-    if (f32) return _mm512_maskz_loadu_ps(mk, (const float *)a + i);
-    __m256i hv = _mm256_maskz_loadu_epi16(mk, (const uint16_t *)a + i);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hv), 16));
+static inline __attribute__((always_inline)) vf16 load16(const void *a, long i, m16 mk, int f32) {
+    if (f32) return vf_maskz_loadu(mk, (const float *)a + i);
+    return vf_load_bf16((const uint16_t *)a + i, mk);
 }
 
 /* x[t] = norm(float(h[t])) for every row */
@@ -196,7 +189,7 @@ static inline __attribute__((always_inline)) int attend_rows_impl(
 #endif
         for (long item = 0; item < nkv * nblk; item++) {
             long kvh = item / nblk, b = item % nblk, j0 = lo0 + 16 * b;
-            __mmask16 mk = lanes(p_hi + 1 - j0);
+            m16 mk = lanes16(p_hi + 1 - j0);
             const long kp = kvh * D * cap + j0;  /* element offset of this block's first key, d = 0 */
             long nrows = nt_rows * g;  /* rows of this kv head: (t, a) with a in kvh*g .. kvh*g+g-1 */
             for (long r0 = 0; r0 < nrows; r0 += ROWS_PER_PASS) {
@@ -208,14 +201,14 @@ static inline __attribute__((always_inline)) int attend_rows_impl(
                     qp[r] = qkv + (t0 + t) * W + a * D;
                     ri[r] = t * nh + a;
                 }
-                __m512 acc[ROWS_PER_PASS];
-                for (int r = 0; r < rc; r++) acc[r] = _mm512_setzero_ps();
+                vf16 acc[ROWS_PER_PASS];
+                for (int r = 0; r < rc; r++) acc[r] = vf_zero();
                 for (long e = 0; e < D; e++) {
-                    __m512 kv = load16(kt, kp + e * cap, mk, f32);
-                    for (int r = 0; r < rc; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(qp[r][e]), kv, acc[r]);
+                    vf16 kv = load16(kt, kp + e * cap, mk, f32);
+                    for (int r = 0; r < rc; r++) acc[r] = vf_fmadd(vf_set1(qp[r][e]), kv, acc[r]);
                 }
                 for (int r = 0; r < rc; r++)
-                    _mm512_mask_storeu_ps(sc + ri[r] * ld + 16 * b, mk, _mm512_mul_ps(acc[r], _mm512_set1_ps(scale)));
+                    vf_mask_storeu(sc + ri[r] * ld + 16 * b, mk, vf_mul(acc[r], vf_set1(scale)));
             }
         }
 #ifdef _OPENMP
@@ -241,20 +234,20 @@ static inline __attribute__((always_inline)) int attend_rows_impl(
             long lo = first_key(p, window);
             const float *s = sc + r * ld + (lo - lo0);
             long n = p - lo + 1, dl = D - d0 < 64 ? D - d0 : 64;
-            __mmask16 mk[4];
-            for (int c = 0; c < 4; c++) mk[c] = lanes(dl - 16 * c);
-            __m512 acc4[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+            m16 mk[4];
+            for (int c = 0; c < 4; c++) mk[c] = lanes16(dl - 16 * c);
+            vf16 acc4[4] = {vf_zero(), vf_zero(), vf_zero(), vf_zero()};
             const long vb = kvh * cap * D + lo * D + d0;  /* element offset of key lo's slice */
             for (long j = 0; j < n; j++) {
-                __m512 e = _mm512_set1_ps(s[j]);
+                vf16 e = vf_set1(s[j]);
                 for (int c = 0; c < 4; c++) {
-                    __m512 vv = load16(vc, vb + j * D + 16 * c, mk[c], f32);
-                    acc4[c] = _mm512_fmadd_ps(e, vv, acc4[c]);
+                    vf16 vv = load16(vc, vb + j * D + 16 * c, mk[c], f32);
+                    acc4[c] = vf_fmadd(e, vv, acc4[c]);
                 }
             }
-            __m512 zz = _mm512_set1_ps(zs[r]);
+            vf16 zz = vf_set1(zs[r]);
             float *out = att + (t0 + t) * Q + a * D + d0;
-            for (int c = 0; c < 4; c++) _mm512_mask_storeu_ps(out + 16 * c, mk[c], _mm512_div_ps(acc4[c], zz));
+            for (int c = 0; c < 4; c++) vf_mask_storeu(out + 16 * c, mk[c], vf_div(acc4[c], zz));
         }
     }
     free(sc);
@@ -430,12 +423,12 @@ int selfspec_norm_rows(const void *h, int f32, long T, long H, const float *w, f
  * exp16 on every element (a masked tail runs the very same lane arithmetic), so an element's
  * result never depends on where it sits in the array. */
 int selfspec_softcap(float *y, long n, float cap) {
-    const __m512 inv = _mm512_set1_ps(2.0f / cap), one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f), c = _mm512_set1_ps(cap);
+    const vf16 inv = vf_set1(2.0f / cap), one = vf_set1(1.0f), two = vf_set1(2.0f), c = vf_set1(cap);
     for (long i = 0; i < n; i += 16) {
-        __mmask16 mk = lanes(n - i);
-        __m512 e = exp16(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, y + i), inv));
-        __m512 t = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(e, one)));
-        _mm512_mask_storeu_ps(y + i, mk, _mm512_mul_ps(t, c));
+        m16 mk = lanes16(n - i);
+        vf16 e = exp16(vf_mul(vf_maskz_loadu(mk, y + i), inv));
+        vf16 t = vf_sub(one, vf_div(two, vf_add(e, one)));
+        vf_mask_storeu(y + i, mk, vf_mul(t, c));
     }
     return 0;
 }

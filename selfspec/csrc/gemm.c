@@ -56,6 +56,9 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+#ifdef __AVX512F__
+/* ---- AVX-512: 16 lanes, 32 registers ---------------------------------------------- */
+
 static inline __m512 load_w_bf16(const uint16_t *p, __mmask16 mk) {
     __m256i h = _mm256_maskz_loadu_epi16(mk, p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -288,6 +291,182 @@ static void tile_pairs_many(long M, long K2, const float *xe, const float *xo, c
             store_out(y, y_bf16, m * ldy + n0 + 16 * j, _mm512_loadu_ps(accbuf + m * NT + 16 * j), mk[j]);
 }
 
+static void tile_masks(long n0, long N, __mmask16 mk[4]) {
+    for (int j = 0; j < 4; j++) {
+        long left = N - (n0 + 16 * j);
+        mk[j] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+    }
+}
+
+/* tile t (columns 64 t ..) of y for all M rows; accbuf: the thread's many-row scratch, made
+ * on first use (NULL: the direct path) */
+static void gemm_tile(long M, long K, long N, const float *xf, const void *w, int w_bf16, int packed,
+                      void *y, int y_bf16, long t, float **accbuf) {
+    long n0 = t * NT;
+    __mmask16 mk[4];
+    tile_masks(n0, N, mk);
+    long ldw = packed ? NT : N;
+    long woff = packed ? t * K * NT : n0;
+    if (M > MR && !DIRECT_ONLY) {
+        if (!*accbuf) *accbuf = (float *)aligned_alloc(64, sizeof(float) * NT * ((M + 15) / 16 * 16));
+        if (*accbuf) {
+            const void *wt = w_bf16 ? (const void *)((const uint16_t *)w + woff) : (const void *)((const float *)w + woff);
+            tile_many(M, K, xf, wt, w_bf16, ldw, y, y_bf16, N, n0, mk, *accbuf);
+            return;
+        }
+    }
+    for (long m0 = 0; m0 < M; m0 += MR) {
+        const float *xr = xf + m0 * K;
+        if (w_bf16) {
+            const uint16_t *wt = (const uint16_t *)w + woff;
+            switch (M - m0 < MR ? M - m0 : MR) {
+            case 6: tile_bf16(6, K, xr, wt, ldw, y, y_bf16, N, m0, n0, mk); break;
+            case 5: tile_bf16(5, K, xr, wt, ldw, y, y_bf16, N, m0, n0, mk); break;
+            case 4: tile_bf16(4, K, xr, wt, ldw, y, y_bf16, N, m0, n0, mk); break;
+            case 3: tile_bf16(3, K, xr, wt, ldw, y, y_bf16, N, m0, n0, mk); break;
+            case 2: tile_bf16(2, K, xr, wt, ldw, y, y_bf16, N, m0, n0, mk); break;
+            default: tile_bf16(1, K, xr, wt, ldw, y, y_bf16, N, m0, n0, mk); break;
+            }
+        } else {
+            const float *wt = (const float *)w + woff;
+            switch (M - m0 < MR ? M - m0 : MR) {
+            case 6: tile_f32(6, K, xr, wt, ldw, y, y_bf16, N, m0, n0, mk); break;
+            case 5: tile_f32(5, K, xr, wt, ldw, y, y_bf16, N, m0, n0, mk); break;
+            case 4: tile_f32(4, K, xr, wt, ldw, y, y_bf16, N, m0, n0, mk); break;
+            case 3: tile_f32(3, K, xr, wt, ldw, y, y_bf16, N, m0, n0, mk); break;
+            case 2: tile_f32(2, K, xr, wt, ldw, y, y_bf16, N, m0, n0, mk); break;
+            default: tile_f32(1, K, xr, wt, ldw, y, y_bf16, N, m0, n0, mk); break;
+            }
+        }
+    }
+}
+
+#else
+/* ---- AVX2 + FMA: 8 lanes, 16 registers ----------------------------------------------- */
+/* The same chains, 8 columns per register (block_eo below). Full tiles only; a tile cut by N
+ * (plain layout: reading past N could leave the array) runs the scalar chain, which is the
+ * same fmaf chain. */
+
+static inline __attribute__((always_inline)) void store8(void *y, int y_bf16, long off, __m256 v) {
+    if (!y_bf16) { _mm256_storeu_ps((float *)y + off, v); return; }
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+    _mm_storeu_si128((__m128i *)((uint16_t *)y + off), _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+
+/* Weights into fp32 lanes, 16 columns at a time: bf16 without widening (one 256-bit load holds
+ * 16 bf16 columns; shifting each 32-bit lane left by 16 gives the even columns' fp32 values,
+ * clearing its low half the odd columns'), fp32 as two loads. Accumulators hold the even and
+ * odd columns apart (v[0]: columns 16 p + 2 i, v[1]: 16 p + 2 i + 1; fp32 the same) and are
+ * interleaved back when stored: per column the chain is unchanged. */
+static inline __attribute__((always_inline)) void w16(const int wbf, const void *wk, __m256 v[2]) {
+    if (wbf) {
+        __m256i u = _mm256_loadu_si256((const __m256i *)wk);
+        v[0] = _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+        v[1] = _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xFFFF0000u)));
+    } else {  /* fp32: the same even/odd split, so both kinds share the store */
+        __m256 a = _mm256_loadu_ps((const float *)wk), b = _mm256_loadu_ps((const float *)wk + 8);
+        __m256 e = _mm256_shuffle_ps(a, b, 0x88), o = _mm256_shuffle_ps(a, b, 0xDD);  /* per 128-bit half */
+        v[0] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), 0xD8));
+        v[1] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(o), 0xD8));
+    }
+}
+/* even/odd accumulators of 16 columns -> 16 consecutive outputs */
+static inline __attribute__((always_inline)) void store_eo(void *y, int y_bf16, long off, __m256 ev, __m256 od) {
+    __m256 lo = _mm256_unpacklo_ps(ev, od), hi = _mm256_unpackhi_ps(ev, od);  /* per 128-bit half */
+    store8(y, y_bf16, off, _mm256_permute2f128_ps(lo, hi, 0x20));
+    store8(y, y_bf16, off + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
+/* R rows x the 16-column groups p0..p0+P-1 of a tile, over k = k0..k1-1; acc parked in ab
+ * ([R][64] floats, even/odd order) unless the pass covers all of K (ab NULL) */
+static inline __attribute__((always_inline)) void pass_eo(
+    const int R, const int P, const int wbf, long K, long k0, long k1, const float *xr, const void *wt, long ldw,
+    float *ab, void *y, int y_bf16, long ldy, long m0, long n0, int p0) {
+    const int esz = wbf ? 2 : 4;
+    __m256 acc[MR][8];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 2 * P; j++)
+            acc[r][j] = (ab && k0 > 0) ? _mm256_loadu_ps(ab + r * NT + 16 * p0 + 8 * j) : _mm256_setzero_ps();
+    for (long k = k0; k < k1; k++) {
+        __m256 wv[8];
+        for (int p = 0; p < P; p++) w16(wbf, (const char *)wt + (k * ldw + 16 * (p0 + p)) * esz, wv + 2 * p);
+        for (int r = 0; r < R; r++) {
+            __m256 xb = _mm256_broadcast_ss(xr + r * K + k);
+            for (int j = 0; j < 2 * P; j++) acc[r][j] = _mm256_fmadd_ps(xb, wv[j], acc[r][j]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int p = 0; p < P; p++) {
+            if (ab && k1 < K) {
+                _mm256_storeu_ps(ab + r * NT + 16 * (p0 + p), acc[r][2 * p]);
+                _mm256_storeu_ps(ab + r * NT + 16 * (p0 + p) + 8, acc[r][2 * p + 1]);
+            } else {
+                store_eo(y, y_bf16, (m0 + r) * ldy + n0 + 16 * (p0 + p), acc[r][2 * p], acc[r][2 * p + 1]);
+            }
+        }
+}
+
+/* One row (decode): the whole 64-column tile in one pass over K, 8 accumulators. More rows:
+ * 2 * P R <= 12 accumulators cover 32 (R = 2) or 16 (R >= 3) columns, so K goes in chunks of
+ * KCH rows (the tile's lines for them, 8 KB at most, stay in L1) and each chunk runs the column
+ * passes one after another, parking the accumulators in between (exact fp32 stores and
+ * loads): memory streams each tile once and in order (column passes over all of K had the LM
+ * head at 2 rows cost 1.6x 1 row; a widened fp32 scratch, 1.7x). */
+#define KCH 32
+#ifndef MR8
+#define MR8 4  /* rows per block (measured: blocks of 5-6 rows ran 2x slower per row than of 4) */
+#endif
+static inline __attribute__((always_inline)) void block_eo(
+    const int R, const int wbf, long K, const float *xr, const void *wt, long ldw,
+    void *y, int y_bf16, long ldy, long m0, long n0) {
+    if (R == 1) { pass_eo(1, 4, wbf, K, 0, K, xr, wt, ldw, NULL, y, y_bf16, ldy, m0, n0, 0); return; }
+    const int P = R == 2 ? 2 : 1;
+    float ab[MR * NT];
+    for (long k0 = 0; k0 < K; k0 += KCH) {
+        long k1 = K - k0 < KCH ? K : k0 + KCH;
+        for (int p0 = 0; p0 < 4; p0 += P) pass_eo(R, P, wbf, K, k0, k1, xr, wt, ldw, ab, y, y_bf16, ldy, m0, n0, p0);
+    }
+}
+
+#define BLOCK_CASES(wbf)                                                            \
+    switch (M - m0 < MR8 ? M - m0 : MR8) {                                          \
+    case 4: block_eo(4, wbf, K, xr, wt, ldw, y, y_bf16, N, m0, n0); break;          \
+    case 3: block_eo(3, wbf, K, xr, wt, ldw, y, y_bf16, N, m0, n0); break;          \
+    case 2: block_eo(2, wbf, K, xr, wt, ldw, y, y_bf16, N, m0, n0); break;          \
+    default: block_eo(1, wbf, K, xr, wt, ldw, y, y_bf16, N, m0, n0); break;         \
+    }
+
+static void gemm_tile(long M, long K, long N, const float *xf, const void *w, int w_bf16, int packed,
+                      void *y, int y_bf16, long t, float **accbuf) {
+    (void)accbuf;
+    long n0 = t * NT, ldw = packed ? NT : N, woff = packed ? t * K * NT : n0;
+    const void *wt = w_bf16 ? (const void *)((const uint16_t *)w + woff) : (const void *)((const float *)w + woff);
+    if (n0 + NT > N) {  /* the last, partial tile: the scalar chain (fmaf is the same FMA) */
+        for (long m = 0; m < M; m++)
+            for (long c = 0; n0 + c < N; c++) {
+                float acc = 0.0f;
+                for (long k = 0; k < K; k++)
+                    acc = fmaf(xf[m * K + k], w_bf16 ? bf16_to_f32(((const uint16_t *)wt)[k * ldw + c])
+                                                     : ((const float *)wt)[k * ldw + c], acc);
+                if (y_bf16) ((uint16_t *)y)[m * N + n0 + c] = f32_to_bf16(acc);
+                else ((float *)y)[m * N + n0 + c] = acc;
+            }
+        return;
+    }
+    /* DIRECT_ONLY (one row at a time) exists for the tests: the same bits */
+    for (long m0 = 0; m0 < M; m0 += DIRECT_ONLY ? 1 : MR8) {
+        const float *xr = xf + m0 * K;
+        if (DIRECT_ONLY) { w_bf16 ? block_eo(1, 1, K, xr, wt, ldw, y, y_bf16, N, m0, n0) : block_eo(1, 0, K, xr, wt, ldw, y, y_bf16, N, m0, n0); continue; }
+        if (w_bf16) { BLOCK_CASES(1) } else { BLOCK_CASES(0) }
+    }
+}
+#undef BLOCK_CASES
+#endif
+
 /* Pair path: the row count from which tile_pairs_many runs instead of tile_pairs. Which one
  * is faster depends on the CPU (on AMD Zen 4 VDPBF16PS issues as fast as an FMA, so the
  * direct path is ~2x faster at every M; where it issues at half the FMA rate the scratch
@@ -314,13 +493,6 @@ static int team_size(long ntiles, int nthreads) {
 #endif
     if (ntiles < nt) nt = (int)ntiles;
     return nt < 1 ? 1 : nt;
-}
-
-static void tile_masks(long n0, long N, __mmask16 mk[4]) {
-    for (int j = 0; j < 4; j++) {
-        long left = N - (n0 + 16 * j);
-        mk[j] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
-    }
 }
 
 static int gemm_pairs(long M, long K, long N, const void *x, int x_bf16, const uint16_t *w, int w_bf16,
@@ -425,7 +597,6 @@ int selfspec_gemm(long M, long K, long N, const void *x, int x_bf16, const void 
         xf[i] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
     long ntiles = (N + NT - 1) / NT;
     int nt = team_size(ntiles, nthreads);
-    int direct_only = DIRECT_ONLY;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(nt)
 #endif
@@ -434,45 +605,7 @@ int selfspec_gemm(long M, long K, long N, const void *x, int x_bf16, const void 
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-    for (long t = 0; t < ntiles; t++) {
-        long n0 = t * NT;
-        __mmask16 mk[4];
-        tile_masks(n0, N, mk);
-        long ldw = packed ? NT : N;
-        long woff = packed ? t * K * NT : n0;
-        if (M > MR && !direct_only) {
-            if (!accbuf) accbuf = (float *)aligned_alloc(64, sizeof(float) * NT * ((M + 15) / 16 * 16));
-            if (accbuf) {
-                const void *wt = w_bf16 ? (const void *)((const uint16_t *)w + woff) : (const void *)((const float *)w + woff);
-                tile_many(M, K, xf, wt, w_bf16, ldw, y, y_bf16, N, n0, mk, accbuf);
-                continue;
-            }
-        }
-        for (long m0 = 0; m0 < M; m0 += MR) {
-            const float *xr = xf + m0 * K;
-            if (w_bf16) {
-                const uint16_t *wt = (const uint16_t *)w + woff;
-                switch (M - m0 < MR ? M - m0 : MR) {
-                case 6: tile_bf16(6, K, xr, wt, ldw, y, y_bf16, N, m0, n0, mk); break;
-                case 5: tile_bf16(5, K, xr, wt, ldw, y, y_bf16, N, m0, n0, mk); break;
-                case 4: tile_bf16(4, K, xr, wt, ldw, y, y_bf16, N, m0, n0, mk); break;
-                case 3: tile_bf16(3, K, xr, wt, ldw, y, y_bf16, N, m0, n0, mk); break;
-                case 2: tile_bf16(2, K, xr, wt, ldw, y, y_bf16, N, m0, n0, mk); break;
-                default: tile_bf16(1, K, xr, wt, ldw, y, y_bf16, N, m0, n0, mk); break;
-                }
-            } else {
-                const float *wt = (const float *)w + woff;
-                switch (M - m0 < MR ? M - m0 : MR) {
-                case 6: tile_f32(6, K, xr, wt, ldw, y, y_bf16, N, m0, n0, mk); break;
-                case 5: tile_f32(5, K, xr, wt, ldw, y, y_bf16, N, m0, n0, mk); break;
-                case 4: tile_f32(4, K, xr, wt, ldw, y, y_bf16, N, m0, n0, mk); break;
-                case 3: tile_f32(3, K, xr, wt, ldw, y, y_bf16, N, m0, n0, mk); break;
-                case 2: tile_f32(2, K, xr, wt, ldw, y, y_bf16, N, m0, n0, mk); break;
-                default: tile_f32(1, K, xr, wt, ldw, y, y_bf16, N, m0, n0, mk); break;
-                }
-            }
-        }
-    }
+    for (long t = 0; t < ntiles; t++) gemm_tile(M, K, N, xf, w, w_bf16, packed, y, y_bf16, t, &accbuf);
     free(accbuf);
     }
     if (xf != stackbuf) free(xf);

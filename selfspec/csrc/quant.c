@@ -40,7 +40,7 @@
  *         u[8j + i, c] (low nibble) and u[8j + 4 + i, c] (high nibble); padding 0
  *   s, z: fp32 [N] (int8) / fp16 [ceil(K / 64)][N] (int4)
  */
-#include <immintrin.h>
+#include "simd.h"
 #include <stdint.h>
 #include <string.h>
 #include <stdlib.h>
@@ -65,9 +65,7 @@ typedef struct {
     int bits;            /* 8 or 4 */
 } ss_qweight;
 
-static inline __mmask16 qlanes(long n) {
-    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
-}
+#define qlanes lanes16
 
 static inline uint16_t q_f32_to_bf16(float f) {
     uint32_t u; memcpy(&u, &f, 4);
@@ -114,41 +112,37 @@ static void q_act_row(const void *x, int x_bf16, long row, long K, int8_t *xq, f
     }
 }
 
-/* q_act_row with AVX-512, the same operations lane by lane (max never taking a NaN, one IEEE
- * division, round half to even, the clamp sending NaN to -127): the same bits, 16 k at a time. */
+/* q_act_row 16 k at a time, the same operations lane by lane (max never taking a NaN, one
+ * IEEE division, round half to even, the clamp sending NaN to -127): the same bits. */
 static void q_act_row_v(const void *x, int x_bf16, long row, long K, int8_t *xq, float *sx, int32_t *xs) {
     long nblk = (K + QB - 1) / QB;
-    const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    const vf16 lo = vf_set1(-127.0f), hi = vf_set1(127.0f);
     for (long b = 0; b < nblk; b++) {
         long k0 = b * QB, k1 = k0 + QB < K ? k0 + QB : K;
-        __m512 v[QB / 16];
-        __m512 amax = _mm512_setzero_ps();
+        vf16 v[QB / 16];
+        vf16 amax = vf_zero();
         for (int i = 0; i < QB / 16; i++) {
-            __mmask16 mk = qlanes(k1 - (k0 + 16 * i));
-            if (x_bf16) {
-                __m256i h = _mm256_maskz_loadu_epi16(mk, (const uint16_t *)x + row * K + k0 + 16 * i);
-                v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-            } else {
-                v[i] = _mm512_maskz_loadu_ps(mk, (const float *)x + row * K + k0 + 16 * i);
-            }
-            amax = _mm512_max_ps(_mm512_abs_ps(v[i]), amax);  /* a NaN lane keeps amax */
+            m16 mk = qlanes(k1 - (k0 + 16 * i));
+            v[i] = x_bf16 ? vf_load_bf16((const uint16_t *)x + row * K + k0 + 16 * i, mk)
+                          : vf_maskz_loadu(mk, (const float *)x + row * K + k0 + 16 * i);
+            amax = vf_max(vf_abs(v[i]), amax);  /* a NaN lane keeps amax */
         }
-        float m = _mm512_reduce_max_ps(amax);
+        float m = vf_reduce_max(amax);
         float s = m / 127.0f;
-        __m512i sum = _mm512_setzero_si512();
+        vi16 sum = vi_zero();
         for (int i = 0; i < QB / 16; i++) {
-            __m512i q = _mm512_setzero_si512();
-            if (s != 0.0f) {
-                __m512 r = _mm512_roundscale_ps(_mm512_div_ps(v[i], _mm512_set1_ps(s)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                q = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));  /* max(NaN, -127) = -127 */
-            }
-            sum = _mm512_add_epi32(sum, q);
-            _mm_storeu_si128((__m128i *)(xq + k0 + 16 * i), _mm512_cvtepi32_epi8(q));
+            vi16 q = vi_zero();
+            if (s != 0.0f) q = vi_from_f(vf_min(vf_max(vf_round(vf_div(v[i], vf_set1(s))), lo), hi));  /* max(NaN, -127) = -127 */
+            sum = vi_add(sum, q);
+            vi_store_i8(xq + k0 + 16 * i, q);
         }
         sx[b] = s;
-        xs[b] = _mm512_reduce_add_epi32(sum);
+        xs[b] = vi_reduce_add(sum);
     }
 }
+
+#ifdef __AVX512F__
+/* ---- AVX-512: 64-byte vectors, 32 registers ------------------------------------------ */
 
 /* acc + per int32 lane: sum over its 4 bytes of (unsigned byte of a) * (signed byte of b) */
 static inline __m512i q_dpbusd(__m512i acc, __m512i a, __m512i b) {
@@ -282,6 +276,159 @@ static inline __attribute__((always_inline)) void tile_q4(
     q_tile_store(R, yv, y, y_bf16, ldy, m0, n0, N);
 }
 
+
+#else
+/* ---- AVX2: 32-byte vectors (8 columns x 4 k), 16 registers ------------------------------
+ * No vpdpbusd: vpmaddubsw multiplies unsigned by signed bytes and adds pairs into int16 with
+ * saturation, so each operand pair is chosen to stay far from it, which keeps every sum exact:
+ *   int8: q = u ^ 0x80 = u - 128 (signed, |q| <= 127); vpmaddubsw(|xq|, sign(q, xq)) gives
+ *         pairs of xq q with |sum| <= 2 127 127 < 2^15, vpmaddwd(., 1) the 4-term int32 sums:
+ *         acc = sum of xq q = sum of xq u - 128 xs exactly, the AVX-512 path's int32 value;
+ *   int4: u in 0..15 is unsigned already: vpmaddubsw(u, xq), |pair| <= 2 15 127, and the low
+ *         and high nibbles' pairs added in int16 (<= 7620) before vpmaddwd.
+ * The fp32 chains across blocks are the specification's (sums parked in memory). A register
+ * block is R rows x J vectors, R J <= 8 int32 accumulators. */
+
+static inline __attribute__((always_inline)) __m256i q_bcast4_8(const int8_t *p) {
+    int32_t v; memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* 8 fp32 of an [N]-long array from column c (columns >= N read as 0) */
+static inline __attribute__((always_inline)) __m256 q_load8_f32(const float *a, long c, long N) {
+    if (c + 8 <= N) return _mm256_loadu_ps(a + c);
+    float t[8] = {0};
+    for (long i = 0; c + i < N && i < 8; i++) t[i] = a[c + i];
+    return _mm256_loadu_ps(t);
+}
+static inline __attribute__((always_inline)) __m256 q_load8_h16(const uint16_t *a, long c, long N) {
+    if (c + 8 <= N) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + c)));
+    uint16_t t[8] = {0};
+    for (long i = 0; c + i < N && i < 8; i++) t[i] = a[c + i];
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
+}
+
+static inline __attribute__((always_inline)) void q_tile_out(const int R, float yv[QMR][QT], const float *s8,
+                                                              void *y, int y_bf16, long ldy, long m0, long n0, long N) {
+    for (int r = 0; r < R; r++)
+        for (long c = 0; c < QT && n0 + c < N; c++)
+            q_store(y, y_bf16, (m0 + r) * ldy + n0 + c, s8 ? yv[r][c] * s8[n0 + c] : yv[r][c]);
+}
+
+static inline __attribute__((always_inline)) void tile_q8(
+    const int R, long K4, long nblk, long KP, const int8_t *xq, const float *sx, const int32_t *xs,
+    const uint8_t *wt, const float *s, void *y, int y_bf16, long ldy, long m0, long n0, long N) {
+    float yv[QMR][QT];
+    memset(yv, 0, sizeof(yv));
+    (void)xs;  /* acc is sum xq q already: no 128 xs correction */
+    const int J = R == 1 ? 8 : R == 2 ? 4 : 2;
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    for (long b = 0; b < nblk; b++) {
+        long k40 = b * (QB / 4), k41 = k40 + QB / 4 < K4 ? k40 + QB / 4 : K4;
+        for (int j0 = 0; j0 < 8; j0 += J) {
+            __m256i acc[QMR][8];
+            for (int r = 0; r < R; r++)
+                for (int j = 0; j < J; j++) acc[r][j] = _mm256_setzero_si256();
+            for (long k4 = k40; k4 < k41; k4++) {
+                const uint8_t *wk = wt + k4 * (QT * 4) + 32 * j0;
+                __m256i q[8];
+                for (int j = 0; j < J; j++) q[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wk + 32 * j)), flip);
+                for (int r = 0; r < R; r++) {
+                    __m256i xb = q_bcast4_8(xq + r * KP + 4 * k4), ax = _mm256_abs_epi8(xb);
+                    for (int j = 0; j < J; j++)
+                        acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(q[j], xb)), ones));
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                __m256 sb = _mm256_set1_ps(sx[r * nblk + b]);
+                for (int j = 0; j < J; j++) {
+                    float *yp = yv[r] + 8 * (j0 + j);
+                    _mm256_storeu_ps(yp, _mm256_fmadd_ps(sb, _mm256_cvtepi32_ps(acc[r][j]), _mm256_loadu_ps(yp)));
+                }
+            }
+        }
+    }
+    q_tile_out(R, yv, s, y, y_bf16, ldy, m0, n0, N);
+}
+
+static inline __attribute__((always_inline)) void tile_q4(
+    const int R, long K8, long nblk, long KP, const int8_t *xq, const float *sx, const int32_t *xs,
+    const uint8_t *wt, const uint16_t *s, const uint16_t *z, void *y, int y_bf16, long ldy, long m0, long n0, long N) {
+    float yv[QMR][QT];
+    memset(yv, 0, sizeof(yv));
+    const int J = R == 1 ? 4 : 2;
+    const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (long b = 0; b < nblk; b++) {
+        long g = b / (QG / QB);  /* the block's int4 group */
+        long k80 = b * (QB / 8), k81 = k80 + QB / 8 < K8 ? k80 + QB / 8 : K8;
+        for (int j0 = 0; j0 < 8; j0 += J) {
+            __m256i acc[QMR][8];
+            for (int r = 0; r < R; r++)
+                for (int j = 0; j < J; j++) acc[r][j] = _mm256_setzero_si256();
+            for (long k8 = k80; k8 < k81; k8++) {
+                const uint8_t *wk = wt + k8 * (QT * 4) + 32 * j0;
+                __m256i lo[8], hi[8];
+                for (int j = 0; j < J; j++) {
+                    __m256i v = _mm256_loadu_si256((const __m256i *)(wk + 32 * j));
+                    lo[j] = _mm256_and_si256(v, nib);
+                    hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+                }
+                for (int r = 0; r < R; r++) {
+                    __m256i xl = q_bcast4_8(xq + r * KP + 8 * k8), xh = q_bcast4_8(xq + r * KP + 8 * k8 + 4);
+                    for (int j = 0; j < J; j++) {
+                        __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[j], xl), _mm256_maddubs_epi16(hi[j], xh));
+                        acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_madd_epi16(p, ones));
+                    }
+                }
+            }
+            for (int j = 0; j < J; j++) {
+                long c = n0 + 8 * (j0 + j);
+                __m256 sc = q_load8_h16(s + g * N, c, N);
+                __m256 nz = _mm256_sub_ps(_mm256_setzero_ps(), q_load8_h16(z + g * N, c, N));
+                for (int r = 0; r < R; r++) {
+                    float *yp = yv[r] + 8 * (j0 + j);
+                    __m256 t = _mm256_fmadd_ps(nz, _mm256_set1_ps((float)xs[r * nblk + b]), _mm256_cvtepi32_ps(acc[r][j]));
+                    _mm256_storeu_ps(yp, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(sx[r * nblk + b]), sc), t, _mm256_loadu_ps(yp)));
+                }
+            }
+        }
+    }
+    q_tile_out(R, yv, NULL, y, y_bf16, ldy, m0, n0, N);
+}
+
+#endif
+
+/* tile t (columns 64 t ..) of y for all M rows, from the quantized activations */
+static void qgemm_tile(const ss_qweight *w, long M, long nblk, long KP, const int8_t *xq, const float *sx,
+                       const int32_t *xs, void *y, int y_bf16, long t) {
+    const long K = w->in_features, N = w->out_features, K4 = (K + 3) / 4, K8 = (K + 7) / 8, n0 = t * QT;
+    for (long m0 = 0; m0 < M; m0 += QMR) {
+        const int8_t *xr = xq + m0 * KP;
+        const float *sr = sx + m0 * nblk;
+        const int32_t *cr = xs + m0 * nblk;
+        int R = M - m0 < QMR ? (int)(M - m0) : QMR;
+        if (w->bits == 8) {
+            const uint8_t *wt = (const uint8_t *)w->q + t * K4 * QT * 4;
+            const float *sc = (const float *)w->scale;
+            switch (R) {
+            case 4: tile_q8(4, K4, nblk, KP, xr, sr, cr, wt, sc, y, y_bf16, N, m0, n0, N); break;
+            case 3: tile_q8(3, K4, nblk, KP, xr, sr, cr, wt, sc, y, y_bf16, N, m0, n0, N); break;
+            case 2: tile_q8(2, K4, nblk, KP, xr, sr, cr, wt, sc, y, y_bf16, N, m0, n0, N); break;
+            default: tile_q8(1, K4, nblk, KP, xr, sr, cr, wt, sc, y, y_bf16, N, m0, n0, N); break;
+            }
+        } else {
+            const uint8_t *wt = (const uint8_t *)w->q + t * K8 * QT * 4;
+            const uint16_t *sc = (const uint16_t *)w->scale, *zp = (const uint16_t *)w->zero;
+            switch (R) {
+            case 4: tile_q4(4, K8, nblk, KP, xr, sr, cr, wt, sc, zp, y, y_bf16, N, m0, n0, N); break;
+            case 3: tile_q4(3, K8, nblk, KP, xr, sr, cr, wt, sc, zp, y, y_bf16, N, m0, n0, N); break;
+            case 2: tile_q4(2, K8, nblk, KP, xr, sr, cr, wt, sc, zp, y, y_bf16, N, m0, n0, N); break;
+            default: tile_q4(1, K8, nblk, KP, xr, sr, cr, wt, sc, zp, y, y_bf16, N, m0, n0, N); break;
+            }
+        }
+    }
+}
+
 static int q_team(long ntiles, int nthreads) {
     int nt = nthreads;
 #ifdef _OPENMP
@@ -317,38 +464,10 @@ int selfspec_qgemm(long M, const void *x, int x_bf16, const void *wd, void *y, i
     for (long m = 0; m < M; m++) q_act_row_v(x, x_bf16, m, K, xq + m * KP, sx + m * nblk, xs + m * nblk);
     long ntiles = (N + QT - 1) / QT;
     int nt = q_team(ntiles, nthreads);
-    const long K4 = (K + 3) / 4, K8 = (K + 7) / 8;
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(nt) schedule(static)
 #endif
-    for (long t = 0; t < ntiles; t++) {
-        long n0 = t * QT;
-        for (long m0 = 0; m0 < M; m0 += QMR) {
-            const int8_t *xr = xq + m0 * KP;
-            const float *sr = sx + m0 * nblk;
-            const int32_t *cr = xs + m0 * nblk;
-            int R = M - m0 < QMR ? (int)(M - m0) : QMR;
-            if (w->bits == 8) {
-                const uint8_t *wt = (const uint8_t *)w->q + t * K4 * QT * 4;
-                const float *sc = (const float *)w->scale;
-                switch (R) {
-                case 4: tile_q8(4, K4, nblk, KP, xr, sr, cr, wt, sc, y, y_bf16, N, m0, n0, N); break;
-                case 3: tile_q8(3, K4, nblk, KP, xr, sr, cr, wt, sc, y, y_bf16, N, m0, n0, N); break;
-                case 2: tile_q8(2, K4, nblk, KP, xr, sr, cr, wt, sc, y, y_bf16, N, m0, n0, N); break;
-                default: tile_q8(1, K4, nblk, KP, xr, sr, cr, wt, sc, y, y_bf16, N, m0, n0, N); break;
-                }
-            } else {
-                const uint8_t *wt = (const uint8_t *)w->q + t * K8 * QT * 4;
-                const uint16_t *sc = (const uint16_t *)w->scale, *zp = (const uint16_t *)w->zero;
-                switch (R) {
-                case 4: tile_q4(4, K8, nblk, KP, xr, sr, cr, wt, sc, zp, y, y_bf16, N, m0, n0, N); break;
-                case 3: tile_q4(3, K8, nblk, KP, xr, sr, cr, wt, sc, zp, y, y_bf16, N, m0, n0, N); break;
-                case 2: tile_q4(2, K8, nblk, KP, xr, sr, cr, wt, sc, zp, y, y_bf16, N, m0, n0, N); break;
-                default: tile_q4(1, K8, nblk, KP, xr, sr, cr, wt, sc, zp, y, y_bf16, N, m0, n0, N); break;
-                }
-            }
-        }
-    }
+    for (long t = 0; t < ntiles; t++) qgemm_tile(w, M, nblk, KP, xq, sx, xs, y, y_bf16, t);
     if (buf != stackbuf) free(buf);
     return 0;
 }
@@ -412,29 +531,28 @@ int selfspec_quant_errors(const float *w, long K, long N, long group, const floa
     if (K <= 0 || N <= 0 || group <= 0 || ncand <= 0) return -1;
     long G = (K + group - 1) / group;
     long nblocks = (N + 15) / 16;
-    const __m512 vlo = _mm512_set1_ps(lo), vhi = _mm512_set1_ps(hi);
+    const vf16 vlo = vf_set1(lo), vhi = vf_set1(hi);
 #ifdef _OPENMP
     #pragma omp parallel for num_threads(nthreads > 0 ? nthreads : 1) schedule(static)
 #endif
     for (long b = 0; b < nblocks; b++) {
         long n0 = b * 16;
-        __mmask16 m = qlanes(N - n0);
+        m16 m = qlanes(N - n0);
         for (long g = 0; g < G; g++) {
             long k0 = g * group, k1 = k0 + group < K ? k0 + group : K;
             for (int c = 0; c < ncand; c++) {
                 long off = ((long)c * G + g) * N + n0;
-                __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(1.0f), m, s + off);
-                __m512 zv = z ? _mm512_maskz_loadu_ps(m, z + off) : _mm512_setzero_ps();
-                __m512 acc = _mm512_setzero_ps();
+                vf16 sv = vf_mask_loadu(vf_set1(1.0f), m, s + off);
+                vf16 zv = z ? vf_maskz_loadu(m, z + off) : vf_zero();
+                vf16 acc = vf_zero();
                 for (long k = k0; k < k1; k++) {
-                    __m512 x = _mm512_maskz_loadu_ps(m, w + k * N + n0);
-                    __m512 u = _mm512_add_ps(_mm512_div_ps(x, sv), zv);
-                    u = _mm512_roundscale_ps(u, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);  /* half to even */
-                    u = _mm512_min_ps(_mm512_max_ps(u, vlo), vhi);
-                    __m512 d = _mm512_sub_ps(_mm512_mul_ps(_mm512_sub_ps(u, zv), sv), x);
-                    acc = _mm512_fmadd_ps(d, d, acc);
+                    vf16 x = vf_maskz_loadu(m, w + k * N + n0);
+                    vf16 u = vf_round(vf_add(vf_div(x, sv), zv));  /* half to even */
+                    u = vf_min(vf_max(u, vlo), vhi);
+                    vf16 d = vf_sub(vf_mul(vf_sub(u, zv), sv), x);
+                    acc = vf_fmadd(d, d, acc);
                 }
-                _mm512_mask_storeu_ps(err + off, m, acc);
+                vf_mask_storeu(err + off, m, acc);
             }
         }
     }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from selfspec.config import SELF_DRAFTING, DraftConfig
 from selfspec.errors import SelfSpecError
 from selfspec.drafters.auto import AutoDrafter
@@ -15,6 +17,15 @@ from selfspec.drafters.quantized import QuantizedDrafter
 from selfspec.predictor.calibrate import AUTO_DRAFT_BITS, AUTO_DRAFT_VOCAB, calibrate, calibration_exits
 from selfspec.profiles import installed_profile
 from selfspec.resources import DraftResources
+
+_log = logging.getLogger("selfspec")
+_noted_unrunnable: set[str] = set()
+
+
+def runs_here(cfg: DraftConfig, rt) -> bool:
+    """Whether cfg can draft on this runtime: a quantized copy needs the CPU kernels."""
+    quantized = cfg.strategy == "quantized" or (cfg.base is not None and cfg.base.strategy == "quantized")
+    return rt.uses_kernels or not quantized
 
 
 def build(cfg: DraftConfig, res: DraftResources, eos_ids: tuple[int, ...] = (), vocab: bool = True) -> Drafter:
@@ -95,6 +106,13 @@ def build_auto(cfg: DraftConfig, res: DraftResources, eos_ids: tuple[int, ...] =
     base_cfg, source, prior = cfg.base, "given", None
     if base_cfg is None:
         prof = installed_profile(res.fingerprint)
+        if prof is not None and not runs_here(prof.draft, rt):
+            if res.fingerprint not in _noted_unrunnable:  # once per model and process
+                _noted_unrunnable.add(res.fingerprint)
+                _log.warning("selfspec: note: this model's profile drafts with a quantized copy, which needs selfspec's "
+                             "CPU kernels (unavailable here: %s); auto chooses a draft per prompt instead",
+                             rt.kernels_missing())
+            prof = None
         if prof is not None:
             base_cfg, source = (prof.draft.base if prof.draft.strategy == "auto" else prof.draft), "profile"
             prior = profile_prior(prof)

@@ -2,6 +2,7 @@
 
 Why: torch's bf16 matmul (oneDNN) streams weights at ~12-20 GB/s for the tiny M of decode
 and speculative verification; this kernel reaches ~25-30 GB/s on the 2-core AVX-512 box
+(the same chains in AVX2 code on CPUs without AVX-512: csrc/simd.h, gemm.c's block_eo)
 (the LM head of Gemma 3 270M: ~12-13 ms instead of ~26 ms).
 
 Numerics (the contract callers rely on):
@@ -37,7 +38,7 @@ API:
 The C source (csrc/gemm.c) is compiled on first use with gcc -O3 -march=native -fopenmp
 into ~/.cache/selfspec/kernels/<hash>/libgemm.so (hash of source, flags, compiler and CPU
 flags; written to a temp file then os.replace'd) and called through ctypes. Anything that
-goes wrong (no gcc, no AVX-512, compile error, SELFSPEC_NO_KERNELS=1) makes available()
+goes wrong (no gcc, no AVX2, compile error, SELFSPEC_NO_KERNELS=1) makes available()
 return False; callers then use torch. Work is split over N across OpenMP threads
 (torch.get_num_threads() of them); the library links libgomp.so.1 which, torch being
 imported first, resolves to the copy torch already loaded (one thread pool, not two).

@@ -17,9 +17,14 @@ from pathlib import Path
 
 import torch
 
-_SRCS = [Path(__file__).parent.parent / "csrc" / name for name in ("gemm.c", "blocks.c", "quant.c", "sampling.c")]
+_CSRC = Path(__file__).parent.parent / "csrc"
+_SRCS = [_CSRC / name for name in ("gemm.c", "blocks.c", "quant.c", "sampling.c")]
+_HEADERS = [_CSRC / "simd.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
-_NEEDED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "fma")
+# The kernels are written for AVX-512 (F, BW, VL) and for AVX2 + FMA + F16C (csrc/simd.h); both
+# compute the same chains. A CPU with only part of AVX-512 builds the AVX2 code.
+NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")
+_AVX512 = ("avx512f", "avx512bw", "avx512vl")
 _TILE = 64  # columns per tile, must match NT in gemm.c
 _DTYPES = (torch.bfloat16, torch.float32)
 
@@ -49,14 +54,26 @@ def _cache_root() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "selfspec" / "kernels"
 
 
+def _flags() -> list[str]:
+    """The compiler flags for this CPU: its own ISA, minus AVX-512 unless all of F/BW/VL are there."""
+    return _FLAGS + ([] if set(_AVX512) <= _cpu_flags() else ["-mno-avx512f"])
+
+
+def isa() -> str | None:
+    """Which vector code the kernels run here: "avx512", "avx2", or None (they cannot build)."""
+    flags = _cpu_flags()
+    return "avx512" if set(_AVX512) <= flags else "avx2" if set(NEEDED_CPU_FLAGS) <= flags else None
+
+
 def _build() -> Path:
     cc = os.environ.get("CC", "gcc")
     if shutil.which(cc) is None:
         raise RuntimeError(f"compiler {cc!r} not found")
-    src = b"\0".join(p.read_bytes() for p in _SRCS)
+    src = b"\0".join(p.read_bytes() for p in _SRCS + _HEADERS)
+    flags = _flags()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     h = hashlib.sha256()
-    for part in (src, " ".join(_FLAGS).encode(), version.encode(), platform.machine().encode(),
+    for part in (src, " ".join(flags).encode(), version.encode(), platform.machine().encode(),
                  " ".join(sorted(_cpu_flags())).encode()):
         h.update(part)
         h.update(b"\0")
@@ -70,7 +87,7 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".libgemm-", suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        r = subprocess.run([cc, *_FLAGS, *map(str, _SRCS), "-o", tmp], capture_output=True, text=True, timeout=120)
+        r = subprocess.run([cc, *flags, *map(str, _SRCS), "-o", tmp], capture_output=True, text=True, timeout=120)
         if r.returncode != 0:
             raise RuntimeError(f"compilation failed: {r.stderr.strip()[-2000:]}")
         os.replace(tmp, lib)
@@ -90,7 +107,7 @@ def _load():
         try:
             if platform.machine() not in ("x86_64", "AMD64"):
                 raise RuntimeError(f"unsupported machine {platform.machine()}")
-            missing = [f for f in _NEEDED_CPU_FLAGS if f not in _cpu_flags()]
+            missing = [f for f in NEEDED_CPU_FLAGS if f not in _cpu_flags()]
             if missing:
                 raise RuntimeError(f"CPU lacks {missing}")
             dll = ctypes.CDLL(str(_build()))

@@ -131,7 +131,7 @@ def _searchable(cfg: SearchConfig, model) -> SearchConfig:
     if "quantized" not in cfg.strategies or model.runtime.uses_kernels:
         return cfg
     if cfg.strategies == ("quantized",):
-        raise SelfSpecError("quantized drafting needs selfspec's CPU kernels (a CPU with AVX-512 and a C compiler)")
+        raise SelfSpecError("quantized drafting needs selfspec's CPU kernels (an x86-64 CPU with AVX2 or AVX-512, and a C compiler)")
     print("selfspec: quantized drafting needs selfspec's CPU kernels; searching the other strategies", file=sys.stderr)
     return dataclasses.replace(cfg, strategies=tuple(s for s in cfg.strategies if s != "quantized"))
 
