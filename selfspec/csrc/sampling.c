@@ -9,7 +9,7 @@
  * Every truncation is a threshold on x: the support is {x >= tau}. Ties are therefore kept
  * or dropped together, and no result depends on an order among equal values.
  *
- * How (one row, n entries, all passes vectorised with AVX-512 where the build has it):
+ * How (one row, n entries, all passes vectorised: 16 lanes, csrc/simd.h):
  *   top-k (then top-p): one pass keeps the entries at or above a running threshold (the
  *      k-th largest collected so far, raised by a quickselect whenever the buffer fills), so
  *      only ~k candidates survive; exps of those alone (Z of the top-k set), then top-p by a
@@ -43,9 +43,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 #define SB 1024   /* entries per block: the unit of block sums and draws */
 #define NLEV 8    /* rungs per ladder: candidate sets {x >= t} */
@@ -66,39 +64,24 @@ static const float LADDER[NLEV] = {0.5f, 1.f, 2.f, 3.f, 4.f, 6.f, 9.f, 16.f};  /
 #define P4 1.6666665459E-1f
 #define P5 5.0000001201E-1f
 
-#ifdef __AVX512F__
-typedef __m512 vf;
-#define VW 16
-static inline __m512 exp_v(__m512 z) {
-    __mmask16 ok = _mm512_cmp_ps_mask(z, _mm512_set1_ps(EXP_LO), _CMP_GE_OQ);
-    z = _mm512_max_ps(z, _mm512_set1_ps(EXP_LO));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(z, _mm512_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), z);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
-    __m512 p = _mm512_set1_ps(P0);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P1));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P2));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P3));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P4));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P5));
-    __m512 y = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
-    y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_mov_ps(ok, _mm512_scalef_ps(y, n));
+static inline vf16 exp_v(vf16 z) {
+    m16 ok = vf_cmp_ge(z, vf_set1(EXP_LO));
+    z = vf_max(z, vf_set1(EXP_LO));
+    vf16 n = vf_round(vf_mul(z, vf_set1(LOG2E)));
+    vf16 r = vf_fnmadd(n, vf_set1(LN2_HI), z);
+    r = vf_fnmadd(n, vf_set1(LN2_LO), r);
+    vf16 p = vf_set1(P0);
+    p = vf_fmadd(p, r, vf_set1(P1));
+    p = vf_fmadd(p, r, vf_set1(P2));
+    p = vf_fmadd(p, r, vf_set1(P3));
+    p = vf_fmadd(p, r, vf_set1(P4));
+    p = vf_fmadd(p, r, vf_set1(P5));
+    vf16 y = vf_fmadd(p, vf_mul(r, r), r);
+    y = vf_add(y, vf_set1(1.0f));
+    return vf_maskz_mov(ok, vf_scalef(y, n));  /* n in [-159, 0] */
 }
-static inline float exp1(float z) { return _mm512_cvtss_f32(exp_v(_mm512_set1_ps(z))); }
-static inline __mmask16 lanes(long n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u); }
-#else
-static inline float exp1(float z) {
-    if (!(z >= EXP_LO)) return 0.0f;
-    float n = nearbyintf(z * LOG2E);
-    float r = fmaf(-n, LN2_HI, z);
-    r = fmaf(-n, LN2_LO, r);
-    float p = P0;
-    p = fmaf(p, r, P1); p = fmaf(p, r, P2); p = fmaf(p, r, P3); p = fmaf(p, r, P4); p = fmaf(p, r, P5);
-    float y = fmaf(p, r * r, r) + 1.0f;
-    return ldexpf(y, (int)n);
-}
-#endif
+static inline float exp1(float z) { return vf_lane0(exp_v(vf_set1(z))); }
+#define lanes lanes16
 
 typedef struct {
     const float *l;  /* logits [n] */
@@ -110,27 +93,23 @@ typedef struct {
 
 static inline float x_at(const row_t *r, long i) { return r->div ? r->l[i] / r->T : r->l[i]; }
 
-#ifdef __AVX512F__
-static inline __m512 x_vec(const row_t *r, long i, __mmask16 mk) {
-    __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), mk, r->l + i);
-    return r->div ? _mm512_div_ps(v, _mm512_set1_ps(r->T)) : v;
+static inline vf16 x_vec(const row_t *r, long i, m16 mk) {
+    vf16 v = vf_mask_loadu(vf_set1(-INFINITY), mk, r->l + i);
+    return r->div ? vf_div(v, vf_set1(r->T)) : v;
 }
-#endif
 
 /* max and smallest finite value of l[0..n), NaN ignored (max -inf: there is no number) */
 static void range_of(const float *l, long n, float *lmax, float *lmin) {
     float hi = -INFINITY, lo = INFINITY;
     long i = 0;
-#ifdef __AVX512F__
-    __m512 ah = _mm512_set1_ps(-INFINITY), al = _mm512_set1_ps(INFINITY), ninf = _mm512_set1_ps(-INFINITY);
+    vf16 ah = vf_set1(-INFINITY), al = vf_set1(INFINITY), ninf = vf_set1(-INFINITY);
     for (; i + 16 <= n; i += 16) {
-        __m512 v = _mm512_loadu_ps(l + i);
-        ah = _mm512_max_ps(v, ah);  /* NaN in v: ah kept */
-        al = _mm512_mask_min_ps(al, _mm512_cmp_ps_mask(v, ninf, _CMP_GT_OQ), al, v);
+        vf16 v = vf_loadu(l + i);
+        ah = vf_max(v, ah);  /* NaN in v: ah kept */
+        al = vf_mask_min(al, vf_cmp_gt(v, ninf), al, v);
     }
-    hi = _mm512_reduce_max_ps(ah);
-    lo = _mm512_reduce_min_ps(al);
-#endif
+    hi = vf_reduce_max(ah);
+    lo = vf_reduce_min(al);
     for (; i < n; i++) {
         if (l[i] > hi) hi = l[i];
         if (l[i] > -INFINITY && l[i] < lo) lo = l[i];
@@ -142,27 +121,16 @@ static void range_of(const float *l, long n, float *lmax, float *lmin) {
 /* e = exp(x - m) on the support {x >= tau} of entries [i0, i1), written to e (len i1 - i0);
  * returns their sum (fp32 lanes, fixed tree) */
 static float block_weights(const row_t *r, long i0, long i1, float tau, float *e) {
-#ifdef __AVX512F__
-    __m512 acc = _mm512_setzero_ps(), m = _mm512_set1_ps(r->m), t = _mm512_set1_ps(tau);
+    vf16 acc = vf_zero(), m = vf_set1(r->m), t = vf_set1(tau);
     for (long i = i0; i < i1; i += 16) {
-        __mmask16 mk = lanes(i1 - i);
-        __m512 x = x_vec(r, i, mk);
-        __mmask16 in = _mm512_cmp_ps_mask(x, t, _CMP_GE_OQ);
-        __m512 v = _mm512_maskz_mov_ps(in, exp_v(_mm512_sub_ps(x, m)));
-        if (e) _mm512_mask_storeu_ps(e + (i - i0), mk, v);
-        acc = _mm512_add_ps(acc, v);
+        m16 mk = lanes(i1 - i);
+        vf16 x = x_vec(r, i, mk);
+        m16 in = vf_cmp_ge(x, t);
+        vf16 v = vf_maskz_mov(in, exp_v(vf_sub(x, m)));
+        if (e) vf_mask_storeu(e + (i - i0), mk, v);
+        acc = vf_add(acc, v);
     }
-    return _mm512_reduce_add_ps(acc);
-#else
-    float s = 0.0f;
-    for (long i = i0; i < i1; i++) {
-        float x = x_at(r, i);
-        float v = x >= tau ? exp1(x - r->m) : 0.0f;
-        if (e) e[i - i0] = v;
-        s += v;
-    }
-    return s;
-#endif
+    return vf_reduce_add(acc);
 }
 
 /* One pass over the row: per-block sums of e on the support {x >= tau} into blocks[], the
@@ -173,41 +141,28 @@ static void stats_pass(const row_t *r, float tau, const float *t, double *blocks
     for (int j = 0; t && j < NLEV; j++) { cnt[j] = 0; mass[j] = 0.0; }
     for (long b = 0; b < nb; b++) {
         long i0 = b * SB, i1 = i0 + SB < r->n ? i0 + SB : r->n;
-#ifdef __AVX512F__
-        __m512 acc = _mm512_setzero_ps(), m = _mm512_set1_ps(r->m), lo = _mm512_set1_ps(tau);
-        __m512 macc[NLEV];
+        vf16 acc = vf_zero(), m = vf_set1(r->m), lo = vf_set1(tau);
+        vf16 macc[NLEV];
         long c[NLEV];
-        for (int j = 0; j < NLEV; j++) { macc[j] = _mm512_setzero_ps(); c[j] = 0; }
+        for (int j = 0; j < NLEV; j++) { macc[j] = vf_zero(); c[j] = 0; }
         for (long i = i0; i < i1; i += 16) {
-            __mmask16 mk = lanes(i1 - i);
-            __m512 x = x_vec(r, i, mk);
-            __mmask16 in = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
-            __m512 v = _mm512_maskz_mov_ps(in, exp_v(_mm512_sub_ps(x, m)));
-            acc = _mm512_add_ps(acc, v);
+            m16 mk = lanes(i1 - i);
+            vf16 x = x_vec(r, i, mk);
+            m16 in = vf_cmp_ge(x, lo);
+            vf16 v = vf_maskz_mov(in, exp_v(vf_sub(x, m)));
+            acc = vf_add(acc, v);
             total += __builtin_popcount(in);
             /* the lowest rung first: most of a vocabulary lies far below every rung */
-            if (t && _mm512_cmp_ps_mask(x, _mm512_set1_ps(t[NLEV - 1]), _CMP_GE_OQ)) {
+            if (t && vf_cmp_ge(x, vf_set1(t[NLEV - 1]))) {
                 for (int j = 0; j < NLEV; j++) {
-                    __mmask16 k = _mm512_cmp_ps_mask(x, _mm512_set1_ps(t[j]), _CMP_GE_OQ);
+                    m16 k = vf_cmp_ge(x, vf_set1(t[j]));
                     c[j] += __builtin_popcount(k);
-                    macc[j] = _mm512_mask_add_ps(macc[j], k, macc[j], v);
+                    macc[j] = vf_mask_add(macc[j], k, macc[j], v);
                 }
             }
         }
-        blocks[b] = _mm512_reduce_add_ps(acc);
-        for (int j = 0; t && j < NLEV; j++) { cnt[j] += c[j]; mass[j] += _mm512_reduce_add_ps(macc[j]); }
-#else
-        float s = 0.0f;
-        for (long i = i0; i < i1; i++) {
-            float x = x_at(r, i);
-            if (!(x >= tau)) continue;
-            float v = exp1(x - r->m);
-            s += v;
-            total++;
-            for (int j = 0; t && j < NLEV; j++) if (x >= t[j]) { cnt[j]++; mass[j] += v; }
-        }
-        blocks[b] = s;
-#endif
+        blocks[b] = vf_reduce_add(acc);
+        for (int j = 0; t && j < NLEV; j++) { cnt[j] += c[j]; mass[j] += vf_reduce_add(macc[j]); }
     }
     *count = total;
 }
@@ -218,29 +173,20 @@ static void ladder_pass(const row_t *r, const float *t, int nt, long *cnt, doubl
     long nb = (r->n + SB - 1) / SB;
     for (long b = 0; b < nb; b++) {
         long i0 = b * SB, i1 = i0 + SB < r->n ? i0 + SB : r->n;
-#ifdef __AVX512F__
-        __m512 m = _mm512_set1_ps(r->m), low = _mm512_set1_ps(t[nt - 1]), macc[NLEV];
-        for (int j = 0; j < nt; j++) macc[j] = _mm512_setzero_ps();
+        vf16 m = vf_set1(r->m), low = vf_set1(t[nt - 1]), macc[NLEV];
+        for (int j = 0; j < nt; j++) macc[j] = vf_zero();
         for (long i = i0; i < i1; i += 16) {
-            __m512 x = x_vec(r, i, lanes(i1 - i));
-            __mmask16 in = _mm512_cmp_ps_mask(x, low, _CMP_GE_OQ);
+            vf16 x = x_vec(r, i, lanes(i1 - i));
+            m16 in = vf_cmp_ge(x, low);
             if (!in) continue;
-            __m512 v = _mm512_maskz_mov_ps(in, exp_v(_mm512_sub_ps(x, m)));
+            vf16 v = vf_maskz_mov(in, exp_v(vf_sub(x, m)));
             for (int j = 0; j < nt; j++) {
-                __mmask16 k = _mm512_cmp_ps_mask(x, _mm512_set1_ps(t[j]), _CMP_GE_OQ);
+                m16 k = vf_cmp_ge(x, vf_set1(t[j]));
                 cnt[j] += __builtin_popcount(k);
-                macc[j] = _mm512_mask_add_ps(macc[j], k, macc[j], v);
+                macc[j] = vf_mask_add(macc[j], k, macc[j], v);
             }
         }
-        for (int j = 0; j < nt; j++) mass[j] += _mm512_reduce_add_ps(macc[j]);
-#else
-        for (long i = i0; i < i1; i++) {
-            float x = x_at(r, i);
-            if (!(x >= t[nt - 1])) continue;
-            float v = exp1(x - r->m);
-            for (int j = 0; j < nt; j++) if (x >= t[j]) { cnt[j]++; mass[j] += v; }
-        }
-#endif
+        for (int j = 0; j < nt; j++) mass[j] += vf_reduce_add(macc[j]);
     }
 }
 
@@ -248,33 +194,20 @@ static void ladder_pass(const row_t *r, const float *t, int nt, long *cnt, doubl
  * (at most cap_n, which the caller knows to be enough). */
 static long collect(const row_t *r, float thr, long cap_n, int32_t *ids, float *xs, float *es) {
     long c = 0;
-#ifdef __AVX512F__
-    __m512 t = _mm512_set1_ps(thr);
-    __m512i step = _mm512_set1_epi32(16), iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (long i = 0; i < r->n; i += 16, iota = _mm512_add_epi32(iota, step)) {
-        __mmask16 mk = lanes(r->n - i);
-        __m512 x = x_vec(r, i, mk);
-        __mmask16 k = _mm512_cmp_ps_mask(x, t, _CMP_GE_OQ);
+    vf16 t = vf_set1(thr);
+    for (long i = 0; i < r->n; i += 16) {
+        m16 mk = lanes(r->n - i);
+        vf16 x = x_vec(r, i, mk);
+        m16 k = vf_cmp_ge(x, t);
         if (!k) continue;
-        int nk = __builtin_popcount(k);
-        if (c + nk > cap_n) break;  /* cannot happen when the counts are right; never overflow */
-        /* register compress + masked store (the memory form of vcompress is slow on AMD) */
-        __mmask16 head = lanes(nk);
-        _mm512_mask_storeu_ps(xs + c, head, _mm512_maskz_compress_ps(k, x));
-        _mm512_mask_storeu_epi32(ids + c, head, _mm512_maskz_compress_epi32(k, iota));
-        c += nk;
+        if (c + __builtin_popcount(k) > cap_n) break;  /* cannot happen when the counts are right; never overflow */
+        c += vf_compress_store(xs + c, ids + c, k, x, (int32_t)i);
     }
     for (long i = 0; i < c; i += 16) {
-        __mmask16 mk = lanes(c - i);
-        __m512 x = _mm512_maskz_loadu_ps(mk, xs + i);
-        _mm512_mask_storeu_ps(es + i, mk, exp_v(_mm512_sub_ps(x, _mm512_set1_ps(r->m))));
+        m16 mk = lanes(c - i);
+        vf16 x = vf_maskz_loadu(mk, xs + i);
+        vf_mask_storeu(es + i, mk, exp_v(vf_sub(x, vf_set1(r->m))));
     }
-#else
-    for (long i = 0; i < r->n && c < cap_n; i++) {
-        float x = x_at(r, i);
-        if (x >= thr) { ids[c] = (int32_t)i; xs[c] = x; es[c] = exp1(x - r->m); c++; }
-    }
-#endif
     return c;
 }
 
@@ -340,20 +273,12 @@ static long collect_top(const row_t *r, long k, int32_t **pids, float **pxs, flo
     float *xs = (float *)malloc(sizeof(float) * (capb + 16)), *wk = (float *)malloc(sizeof(float) * (capb + 16));
     float thr = -FLT_MAX;
     if (!ids || !xs || !wk) goto oom;
-#ifdef __AVX512F__
-    __m512i step = _mm512_set1_epi32(16), iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    __m512 t = _mm512_set1_ps(thr);
-    for (long i = 0; i < r->n; i += 16, iota = _mm512_add_epi32(iota, step)) {
-        __m512 x = x_vec(r, i, lanes(r->n - i));
-        __mmask16 km = _mm512_cmp_ps_mask(x, t, _CMP_GE_OQ);
+    vf16 t = vf_set1(thr);
+    for (long i = 0; i < r->n; i += 16) {
+        vf16 x = x_vec(r, i, lanes(r->n - i));
+        m16 km = vf_cmp_ge(x, t);
         if (!km) continue;
         if (c + 16 > capb) {
-#else
-    for (long i = 0; i < r->n; i++) {
-        float x = x_at(r, i);
-        if (!(x >= thr)) continue;
-        if (c + 1 > capb) {
-#endif
             if (c >= k) {  /* raise the threshold to the k-th largest so far */
                 memcpy(wk, xs, sizeof(float) * c);
                 thr = threshold_select(wk, NULL, c, (double)k);
@@ -371,23 +296,12 @@ static long collect_top(const row_t *r, long k, int32_t **pids, float **pxs, flo
                 if (w2) wk = w2;
                 if (!i2 || !x2 || !w2) goto oom;
             }
-#ifdef __AVX512F__
-            t = _mm512_set1_ps(thr);
-            km = _mm512_cmp_ps_mask(x, t, _CMP_GE_OQ);
+            t = vf_set1(thr);
+            km = vf_cmp_ge(x, t);
             if (!km) continue;
         }
-        int nk = __builtin_popcount(km);
-        __mmask16 head = lanes(nk);
-        _mm512_mask_storeu_ps(xs + c, head, _mm512_maskz_compress_ps(km, x));
-        _mm512_mask_storeu_epi32(ids + c, head, _mm512_maskz_compress_epi32(km, iota));
-        c += nk;
+        c += vf_compress_store(xs + c, ids + c, km, x, (int32_t)i);
     }
-#else
-            if (!(x >= thr)) continue;
-        }
-        ids[c] = (int32_t)i; xs[c] = x; c++;
-    }
-#endif
     if (c > k) {
         memcpy(wk, xs, sizeof(float) * c);
         thr = threshold_select(wk, NULL, c, (double)k);

@@ -6,9 +6,10 @@
  * the very same bits as the AVX-512 build, lane for lane: a chain the kernels document is
  * one chain whatever the ISA. Masks are 16-bit lane sets (bit l = lane l), as AVX-512's.
  *
- * Exceptions, stated where they are: vf_scalef needs an integral n in [-126, 127] (all the
- * kernels' exp calls clamp into it); max/min follow x86's rule (the second operand when
- * either is NaN), the same on both ISAs.
+ * Exceptions, stated where they are: vf_scalef needs an integral n in [-250, 127] and p in
+ * [0.5, 2) (every exp here: p = e^r, |r| <= ln2 / 2); max/min follow x86's rule (the second
+ * operand when either is NaN), the same on both ISAs; reductions of sums go in GCC's
+ * _mm512_reduce_add_ps tree (halves, then quarters, then (0+2, 1+3), then 0+1).
  */
 #ifndef SELFSPEC_SIMD_H
 #define SELFSPEC_SIMD_H
@@ -49,6 +50,23 @@ SS_ALWAYS vf16 vf_abs(vf16 a) { return _mm512_abs_ps(a); }
 SS_ALWAYS vf16 vf_round(vf16 a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 SS_ALWAYS vf16 vf_scalef(vf16 p, vf16 n) { return _mm512_scalef_ps(p, n); }
 SS_ALWAYS float vf_reduce_max(vf16 a) { return _mm512_reduce_max_ps(a); }
+SS_ALWAYS float vf_reduce_min(vf16 a) { return _mm512_reduce_min_ps(a); }
+SS_ALWAYS float vf_reduce_add(vf16 a) { return _mm512_reduce_add_ps(a); }
+SS_ALWAYS float vf_lane0(vf16 a) { return _mm512_cvtss_f32(a); }
+SS_ALWAYS m16 vf_cmp_ge(vf16 a, vf16 b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
+SS_ALWAYS m16 vf_cmp_gt(vf16 a, vf16 b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+SS_ALWAYS vf16 vf_maskz_mov(m16 k, vf16 a) { return _mm512_maskz_mov_ps(k, a); }
+SS_ALWAYS vf16 vf_mask_add(vf16 src, m16 k, vf16 a, vf16 b) { return _mm512_mask_add_ps(src, k, a, b); }
+SS_ALWAYS vf16 vf_mask_min(vf16 src, m16 k, vf16 a, vf16 b) { return _mm512_mask_min_ps(src, k, a, b); }
+/* the lanes of k, in order, to xs[0..] and base + lane to ids[0..]; returns how many */
+SS_ALWAYS int vf_compress_store(float *xs, int32_t *ids, m16 k, vf16 x, int32_t base) {
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    int nk = __builtin_popcount(k);
+    m16 head = lanes16(nk);  /* register compress + masked store (the memory form of vcompress is slow on AMD) */
+    _mm512_mask_storeu_ps(xs, head, _mm512_maskz_compress_ps(k, x));
+    _mm512_mask_storeu_epi32(ids, head, _mm512_maskz_compress_epi32(k, _mm512_add_epi32(iota, _mm512_set1_epi32(base))));
+    return nk;
+}
 /* 16 bf16 / fp16 (masked lanes read as 0, never touched in memory) -> fp32, exactly */
 SS_ALWAYS vf16 vf_load_bf16(const uint16_t *p, m16 k) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
@@ -121,11 +139,15 @@ SS_ALWAYS vf16 vf_round(vf16 a) {
             _mm256_round_ps(a.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     return r;
 }
-/* p * 2^n for integral n in [-126, 127]: 2^n is a normal float, so the product is the one
- * rounding of the exact p 2^n, as vscalefps computes it */
+/* p 2^n (p in [0.5, 2), integral n in [-250, 127]) rounded once, as vscalefps: for n >= -125,
+ * 2^n is a normal float and p 2^n the one rounding; below, p 2^(n + 125) is exact (normal) and
+ * times 2^-125 the one rounding of a subnormal result */
+SS_ALWAYS __m256 ss_pow2(__m256i e) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23)); }
 SS_ALWAYS __m256 ss_scalef8(__m256 p, __m256 n) {
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    __m256i e = _mm256_cvtps_epi32(n);
+    __m256i low = _mm256_cmpgt_epi32(_mm256_set1_epi32(-125), e);
+    __m256 t = _mm256_mul_ps(p, ss_pow2(_mm256_add_epi32(e, _mm256_and_si256(low, _mm256_set1_epi32(125)))));
+    return _mm256_blendv_ps(t, _mm256_mul_ps(t, _mm256_set1_ps(0x1p-125f)), _mm256_castsi256_ps(low));
 }
 SS_ALWAYS vf16 vf_scalef(vf16 p, vf16 n) { vf16 r; SS_PAIR(ss_scalef8(p.lo, n.lo), ss_scalef8(p.hi, n.hi)); return r; }
 SS_ALWAYS float vf_reduce_max(vf16 a) {
@@ -134,6 +156,53 @@ SS_ALWAYS float vf_reduce_max(vf16 a) {
     m = l[0];
     for (int i = 1; i < 16; i++) m = l[i] > m ? l[i] : m;
     return m;
+}
+SS_ALWAYS float vf_reduce_min(vf16 a) {
+    float l[16], m;
+    vf_storeu(l, a);
+    m = l[0];
+    for (int i = 1; i < 16; i++) m = l[i] < m ? l[i] : m;
+    return m;
+}
+SS_ALWAYS float vf_reduce_add(vf16 a) {  /* GCC's _mm512_reduce_add_ps tree */
+    __m256 t3 = _mm256_add_ps(a.hi, a.lo);
+    __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+    __m128 t8 = _mm_add_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(t8) + _mm_cvtss_f32(_mm_shuffle_ps(t8, t8, _MM_SHUFFLE(0, 1, 0, 1)));
+}
+SS_ALWAYS float vf_lane0(vf16 a) { return _mm256_cvtss_f32(a.lo); }
+SS_ALWAYS m16 ss_movemask(__m256 lo, __m256 hi) {
+    return (m16)((unsigned)_mm256_movemask_ps(lo) | ((unsigned)_mm256_movemask_ps(hi) << 8));
+}
+SS_ALWAYS m16 vf_cmp_ge(vf16 a, vf16 b) {
+    return ss_movemask(_mm256_cmp_ps(a.lo, b.lo, _CMP_GE_OQ), _mm256_cmp_ps(a.hi, b.hi, _CMP_GE_OQ));
+}
+SS_ALWAYS m16 vf_cmp_gt(vf16 a, vf16 b) {
+    return ss_movemask(_mm256_cmp_ps(a.lo, b.lo, _CMP_GT_OQ), _mm256_cmp_ps(a.hi, b.hi, _CMP_GT_OQ));
+}
+SS_ALWAYS vf16 vf_maskz_mov(m16 k, vf16 a) {
+    vf16 r;
+    SS_PAIR(_mm256_and_ps(a.lo, _mm256_castsi256_ps(ss_mask8(k & 0xFF))), _mm256_and_ps(a.hi, _mm256_castsi256_ps(ss_mask8(k >> 8))));
+    return r;
+}
+SS_ALWAYS vf16 ss_blend(vf16 src, m16 k, vf16 v) {
+    vf16 r;
+    SS_PAIR(_mm256_blendv_ps(src.lo, v.lo, _mm256_castsi256_ps(ss_mask8(k & 0xFF))),
+            _mm256_blendv_ps(src.hi, v.hi, _mm256_castsi256_ps(ss_mask8(k >> 8))));
+    return r;
+}
+SS_ALWAYS vf16 vf_mask_add(vf16 src, m16 k, vf16 a, vf16 b) { return ss_blend(src, k, vf_add(a, b)); }
+SS_ALWAYS vf16 vf_mask_min(vf16 src, m16 k, vf16 a, vf16 b) { return ss_blend(src, k, vf_min(a, b)); }
+SS_ALWAYS int vf_compress_store(float *xs, int32_t *ids, m16 k, vf16 x, int32_t base) {
+    float l[16];
+    int c = 0;
+    vf_storeu(l, x);
+    for (; k; k &= (m16)(k - 1), c++) {
+        int i = __builtin_ctz(k);
+        xs[c] = l[i];
+        ids[c] = base + i;
+    }
+    return c;
 }
 /* 16 bf16 / fp16 -> fp32 (exact); a partial mask copies the lanes it names only */
 SS_ALWAYS __m256i ss_load_u16x16(const uint16_t *p, m16 k) {
