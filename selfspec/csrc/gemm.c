@@ -366,11 +366,7 @@ static inline __attribute__((always_inline)) void w16(const int wbf, const void 
     if (wbf) {
         __m256i u = _mm256_loadu_si256((const __m256i *)wk);
         v[0] = _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
-#if EO_SHIFT
-        v[1] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(u, 16), 16));
-#else
         v[1] = _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xFFFF0000u)));
-#endif
     } else {  /* fp32: the same even/odd split, so both kinds share the store */
         __m256 a = _mm256_loadu_ps((const float *)wk), b = _mm256_loadu_ps((const float *)wk + 8);
         __m256 e = _mm256_shuffle_ps(a, b, 0x88), o = _mm256_shuffle_ps(a, b, 0xDD);  /* per 128-bit half */
@@ -421,11 +417,8 @@ static inline __attribute__((always_inline)) void pass_eo(
  * loads): memory streams each tile once and in order (column passes over all of K had the LM
  * head at 2 rows cost 1.6x 1 row; a widened fp32 scratch, 1.7x). */
 #define KCH 32
-#ifndef EO_SHIFT
-#define EO_SHIFT 0
-#endif
 #ifndef MR8
-#define MR8 4  /* rows per block (measured: blocks of 5-6 rows ran 2x slower per row than of 4) */
+#define MR8 4  /* rows per block: blocks of 5-6 rows (10-12 accumulators) ran 1.3-2x slower than 4 + 1-2 */
 #endif
 static inline __attribute__((always_inline)) void block_eo(
     const int R, const int wbf, long K, const float *xr, const void *wt, long ldw,
@@ -441,8 +434,6 @@ static inline __attribute__((always_inline)) void block_eo(
 
 #define BLOCK_CASES(wbf)                                                            \
     switch (M - m0 < MR8 ? M - m0 : MR8) {                                          \
-    case 6: block_eo(6, wbf, K, xr, wt, ldw, y, y_bf16, N, m0, n0); break;          \
-    case 5: block_eo(5, wbf, K, xr, wt, ldw, y, y_bf16, N, m0, n0); break;          \
     case 4: block_eo(4, wbf, K, xr, wt, ldw, y, y_bf16, N, m0, n0); break;          \
     case 3: block_eo(3, wbf, K, xr, wt, ldw, y, y_bf16, N, m0, n0); break;          \
     case 2: block_eo(2, wbf, K, xr, wt, ldw, y, y_bf16, N, m0, n0); break;          \
