@@ -287,7 +287,8 @@ static inline __attribute__((always_inline)) void tile_q4(
  *   int4: u in 0..15 is unsigned already: vpmaddubsw(u, xq), |pair| <= 2 15 127, and the low
  *         and high nibbles' pairs added in int16 (<= 7620) before vpmaddwd.
  * The fp32 chains across blocks are the specification's (sums parked in memory). A register
- * block is R rows x J vectors, R J <= 8 int32 accumulators. */
+ * block is R rows x J vectors, R J <= 8 int32 accumulators; every loop over rows and vectors is
+ * unrolled (GCC otherwise keeps some accumulators in memory). */
 
 static inline __attribute__((always_inline)) __m256i q_bcast4_8(const int8_t *p) {
     int32_t v; memcpy(&v, p, 4);
@@ -310,6 +311,7 @@ static inline __attribute__((always_inline)) __m256 q_load8_h16(const uint16_t *
 
 static inline __attribute__((always_inline)) void q_tile_out(const int R, float yv[QMR][QT], const float *s8,
                                                               void *y, int y_bf16, long ldy, long m0, long n0, long N) {
+    _Pragma("GCC unroll 16")
     for (int r = 0; r < R; r++)
         for (long c = 0; c < QT && n0 + c < N; c++)
             q_store(y, y_bf16, (m0 + r) * ldy + n0 + c, s8 ? yv[r][c] * s8[n0 + c] : yv[r][c]);
@@ -327,20 +329,36 @@ static inline __attribute__((always_inline)) void tile_q8(
         long k40 = b * (QB / 4), k41 = k40 + QB / 4 < K4 ? k40 + QB / 4 : K4;
         for (int j0 = 0; j0 < 8; j0 += J) {
             __m256i acc[QMR][8];
+            _Pragma("GCC unroll 16")
             for (int r = 0; r < R; r++)
+                _Pragma("GCC unroll 16")
                 for (int j = 0; j < J; j++) acc[r][j] = _mm256_setzero_si256();
             for (long k4 = k40; k4 < k41; k4++) {
                 const uint8_t *wk = wt + k4 * (QT * 4) + 32 * j0;
+                if (R == 1) {  /* one row: each weight vector used once, loaded where it is used */
+                    __m256i xb = q_bcast4_8(xq + 4 * k4), ax = _mm256_abs_epi8(xb);
+                    _Pragma("GCC unroll 16")
+                    for (int j = 0; j < J; j++) {
+                        __m256i qj = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wk + 32 * j)), flip);
+                        acc[0][j] = _mm256_add_epi32(acc[0][j], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(qj, xb)), ones));
+                    }
+                    continue;
+                }
                 __m256i q[8];
+                _Pragma("GCC unroll 16")
                 for (int j = 0; j < J; j++) q[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wk + 32 * j)), flip);
+                _Pragma("GCC unroll 16")
                 for (int r = 0; r < R; r++) {
                     __m256i xb = q_bcast4_8(xq + r * KP + 4 * k4), ax = _mm256_abs_epi8(xb);
+                    _Pragma("GCC unroll 16")
                     for (int j = 0; j < J; j++)
                         acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(q[j], xb)), ones));
                 }
             }
+            _Pragma("GCC unroll 16")
             for (int r = 0; r < R; r++) {
                 __m256 sb = _mm256_set1_ps(sx[r * nblk + b]);
+                _Pragma("GCC unroll 16")
                 for (int j = 0; j < J; j++) {
                     float *yp = yv[r] + 8 * (j0 + j);
                     _mm256_storeu_ps(yp, _mm256_fmadd_ps(sb, _mm256_cvtepi32_ps(acc[r][j]), _mm256_loadu_ps(yp)));
@@ -363,28 +381,35 @@ static inline __attribute__((always_inline)) void tile_q4(
         long k80 = b * (QB / 8), k81 = k80 + QB / 8 < K8 ? k80 + QB / 8 : K8;
         for (int j0 = 0; j0 < 8; j0 += J) {
             __m256i acc[QMR][8];
+            _Pragma("GCC unroll 16")
             for (int r = 0; r < R; r++)
+                _Pragma("GCC unroll 16")
                 for (int j = 0; j < J; j++) acc[r][j] = _mm256_setzero_si256();
             for (long k8 = k80; k8 < k81; k8++) {
                 const uint8_t *wk = wt + k8 * (QT * 4) + 32 * j0;
                 __m256i lo[8], hi[8];
+                _Pragma("GCC unroll 16")
                 for (int j = 0; j < J; j++) {
                     __m256i v = _mm256_loadu_si256((const __m256i *)(wk + 32 * j));
                     lo[j] = _mm256_and_si256(v, nib);
                     hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
                 }
+                _Pragma("GCC unroll 16")
                 for (int r = 0; r < R; r++) {
                     __m256i xl = q_bcast4_8(xq + r * KP + 8 * k8), xh = q_bcast4_8(xq + r * KP + 8 * k8 + 4);
+                    _Pragma("GCC unroll 16")
                     for (int j = 0; j < J; j++) {
                         __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[j], xl), _mm256_maddubs_epi16(hi[j], xh));
                         acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_madd_epi16(p, ones));
                     }
                 }
             }
+            _Pragma("GCC unroll 16")
             for (int j = 0; j < J; j++) {
                 long c = n0 + 8 * (j0 + j);
                 __m256 sc = q_load8_h16(s + g * N, c, N);
                 __m256 nz = _mm256_sub_ps(_mm256_setzero_ps(), q_load8_h16(z + g * N, c, N));
+                _Pragma("GCC unroll 16")
                 for (int r = 0; r < R; r++) {
                     float *yp = yv[r] + 8 * (j0 + j);
                     __m256 t = _mm256_fmadd_ps(nz, _mm256_set1_ps((float)xs[r * nblk + b]), _mm256_cvtepi32_ps(acc[r][j]));
