@@ -380,3 +380,17 @@ def test_long_prefill_rows_equal_split_and_single_steps(zoo, arch, dtype):
                           + [rt.forward(seq[i : i + 1], i, split) for i in range(140, 150)])
     assert torch.equal(whole, parts)
     assert torch.equal(one.kt, split.kt) and torch.equal(one.v, split.v)
+
+
+def test_default_dtype_is_bfloat16_wherever_the_kernels_run(monkeypatch):
+    """Our kernels widen bf16 exactly in registers on any AVX2 CPU, so bf16 (half the bytes) is
+    the CPU default wherever they run, whatever torch's own bf16 support (none on AVX2 CPUs:
+    there the README's first command ran float32 at ~0.6x the speed); without them, torch's
+    choice."""
+    from selfspec.model import default_dtype
+
+    if kernels_expected():
+        assert default_dtype("cpu") == "bfloat16"
+    monkeypatch.setenv("SELFSPEC_NO_KERNELS", "1")
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert default_dtype("cpu") == ("bfloat16" if native else "float32")
