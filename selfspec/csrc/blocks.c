@@ -167,7 +167,28 @@ static void add_residual(void *h, int f32, float *o, long T, long H, const float
  *   2. per row: max, e_j = expf(s_j - m), Z summed in key order, over its own keys only;
  *   3. per (row, 64-wide slice of d): out = sum_j e_j v_j in key order, / Z.
  * Scores a row computes for keys outside its range are never read. */
+#ifdef __AVX512F__
 #define ROWS_PER_PASS 8
+#else
+#define ROWS_PER_PASS 6  /* 6 rows x 2 ymm accumulators + the key slice + q: 15 of 16 registers */
+#endif
+
+/* scores of RC query rows against one 16-key slice: out[r][j] = scale * chain over d of
+ * fmaf(q_r[d], k[d][j], .) (keys from the cache, bf16 or fp32) */
+static inline __attribute__((always_inline)) void score_rows(
+    const int RC, const float *const *qp, const void *kt, long kp, long cap, long D, m16 mk, float scale,
+    float *const *out, const int f32) {
+    vf16 acc[8];
+    _Pragma("GCC unroll 8")
+    for (int r = 0; r < RC; r++) acc[r] = vf_zero();
+    for (long e = 0; e < D; e++) {
+        vf16 kv = load16(kt, kp + e * cap, mk, f32);
+        _Pragma("GCC unroll 8")
+        for (int r = 0; r < RC; r++) acc[r] = vf_fmadd(vf_set1(qp[r][e]), kv, acc[r]);
+    }
+    _Pragma("GCC unroll 8")
+    for (int r = 0; r < RC; r++) vf_mask_storeu(out[r], mk, vf_mul(acc[r], vf_set1(scale)));
+}
 static inline __attribute__((always_inline)) int attend_rows_impl(
     const float *qkv, long W, float *att, long Q, long t0, long t1, long pos, long window,
     const void *kt, const void *vc, long cap, long D, long nh, long nkv, float scale, int nt, const int f32) {
@@ -195,20 +216,22 @@ static inline __attribute__((always_inline)) int attend_rows_impl(
             for (long r0 = 0; r0 < nrows; r0 += ROWS_PER_PASS) {
                 int rc = nrows - r0 < ROWS_PER_PASS ? (int)(nrows - r0) : ROWS_PER_PASS;
                 const float *qp[ROWS_PER_PASS];
-                long ri[ROWS_PER_PASS];
+                float *out[ROWS_PER_PASS];
                 for (int r = 0; r < rc; r++) {
                     long t = (r0 + r) / g, a = kvh * g + (r0 + r) % g;
                     qp[r] = qkv + (t0 + t) * W + a * D;
-                    ri[r] = t * nh + a;
+                    out[r] = sc + (t * nh + a) * ld + 16 * b;
                 }
-                vf16 acc[ROWS_PER_PASS];
-                for (int r = 0; r < rc; r++) acc[r] = vf_zero();
-                for (long e = 0; e < D; e++) {
-                    vf16 kv = load16(kt, kp + e * cap, mk, f32);
-                    for (int r = 0; r < rc; r++) acc[r] = vf_fmadd(vf_set1(qp[r][e]), kv, acc[r]);
+                switch (rc) {  /* a constant row count per copy: the accumulators stay in registers */
+                case 8: score_rows(8, qp, kt, kp, cap, D, mk, scale, out, f32); break;
+                case 7: score_rows(7, qp, kt, kp, cap, D, mk, scale, out, f32); break;
+                case 6: score_rows(6, qp, kt, kp, cap, D, mk, scale, out, f32); break;
+                case 5: score_rows(5, qp, kt, kp, cap, D, mk, scale, out, f32); break;
+                case 4: score_rows(4, qp, kt, kp, cap, D, mk, scale, out, f32); break;
+                case 3: score_rows(3, qp, kt, kp, cap, D, mk, scale, out, f32); break;
+                case 2: score_rows(2, qp, kt, kp, cap, D, mk, scale, out, f32); break;
+                default: score_rows(1, qp, kt, kp, cap, D, mk, scale, out, f32); break;
                 }
-                for (int r = 0; r < rc; r++)
-                    vf_mask_storeu(sc + ri[r] * ld + 16 * b, mk, vf_mul(acc[r], vf_set1(scale)));
             }
         }
 #ifdef _OPENMP
