@@ -50,14 +50,14 @@ _log = logging.getLogger("selfspec")
 _warned_no_kernels = False
 
 
-def _warn_no_kernels() -> None:
+def _warn_no_kernels(reason: str) -> None:
     """Once per process: a CPU runtime without our kernels is exact only as far as the BLAS is."""
     global _warned_no_kernels
     if not _warned_no_kernels:
         _warned_no_kernels = True
         _log.warning("selfspec: the CPU kernels are unavailable here (%s); decoding runs on torch, so bit-exact "
                      "speculative output on the CPU now depends on the BLAS choosing the same kernels for every "
-                     "row count", kernels.load_error() or "disabled by SELFSPEC_NO_KERNELS")
+                     "row count", reason)
 
 
 def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -118,7 +118,7 @@ class Runtime:
         # choice per runtime: decode and verify must share it.
         self.uses_kernels = self.device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and kernels.available()
         if self.device.type == "cpu" and not self.uses_kernels:
-            _warn_no_kernels()
+            _warn_no_kernels(self.kernels_missing())
         # Row padding: CPU BLAS agrees for any >= 2 rows; cuBLAS picks kernels by shape, so on
         # CUDA every decode/verify matmul runs at one fixed row count (static shapes).
         self.min_rows = 2 if self.device.type == "cpu" else 2 * MAX_SPECULATIONS
