@@ -187,7 +187,7 @@ def generate(
 
     with torch.inference_mode():
         ids = torch.tensor(prompt_ids, device=runtime.device)
-        first = pick(drafter.prefill(ids, cache))
+        first = pick(drafter.prefill(ids, cache, argmax_only=sampling.greedy))
         K = drafter.max_draft  # after prefill: auto picks its base draft there
         stats.per_position_drafted, stats.per_position_accepted = [0] * K, [0] * K
         stats.time_prefill_s = clock() - t_start

@@ -22,6 +22,7 @@ from selfspec.config import STRATEGIES, DraftConfig, GenerationConfig, SamplingC
 from selfspec.drafters import Drafter, build
 from selfspec.engine import GenerationResult, StreamEvent, generate
 from selfspec.errors import SelfSpecError, unknown_choice
+from selfspec.greedy_head import screened_head
 from selfspec.loading import ALIASES, load_source, resolve_tokenizer
 from selfspec.predictor.costs import CostModel
 from selfspec.profiles import Profile, installed_profile, load_profile
@@ -217,7 +218,9 @@ class SelfSpecModel:
     def prepare(self) -> None:
         """Make what the default strategy drafts with now, when the model has an installed
         profile (quantized copy, draft head, measured costs), so that the first generation does
-        not pay for it (load does this). Without a profile auto calibrates per prompt instead."""
+        not pay for it (load does this). Without a profile auto calibrates per prompt instead.
+        The screened greedy head (greedy_head.py) is made here too, where it applies."""
+        screened_head(self.runtime)
         if installed_profile(self.fingerprint) is not None:
             self.drafter(self.draft_config())
 

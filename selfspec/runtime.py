@@ -42,6 +42,7 @@ from selfspec import kernels
 from selfspec.cache import KVCache, SegmentTable
 from selfspec.config import MAX_SPECULATIONS
 from selfspec.errors import SelfSpecError
+from selfspec.greedy_head import screened_head
 from selfspec.quant import INT4_GROUP, quantize
 
 
@@ -383,12 +384,18 @@ class Runtime:
                 self.blocks.mlp(i, h, threads)
         return h
 
-    def logits(self, h: torch.Tensor, head=None) -> torch.Tensor:
+    def logits(self, h: torch.Tensor, head=None, argmax_only: bool = False) -> torch.Tensor:
         """Final norm + LM head. h [T, H] -> [T, V] (fp32). `head` is a [H, N] slice of the
-        LM head for a restricted draft vocabulary, from prepare_weight(head_columns(ids))."""
+        LM head for a restricted draft vocabulary, from prepare_weight(head_columns(ids)).
+        argmax_only (greedy): rows whose argmax, ties included, is the full head's, but whose
+        other entries may be -inf: the int8-screened head where it applies (greedy_head.py)."""
         cap = self.spec.final_logit_softcap
         if self.uses_kernels:  # row-invariant by construction (module doc)
-            out = self._mm(kernels.norm_rows(h, self.final_norm, self.spec.rms_norm_eps), self.head if head is None else head)
+            x = kernels.norm_rows(h, self.final_norm, self.spec.rms_norm_eps)
+            screen = screened_head(self) if argmax_only and head is None else None
+            if screen is not None:
+                return screen.logits(x, lambda rows: self._mm(x[rows], self.head).float())
+            out = self._mm(x, self.head if head is None else head)
             out = out.float()
             return kernels.softcap_(out, cap) if cap else out
         x = self.rms_norm(h, self.final_norm)
@@ -397,7 +404,9 @@ class Runtime:
             out = torch.tanh(out / cap) * cap
         return out
 
-    def forward(self, ids: torch.Tensor, pos: int, cache: KVCache, last_only: bool = False) -> torch.Tensor:
-        """Full model on ids [T] at positions pos..; returns fp32 logits [T or 1, V]."""
+    def forward(self, ids: torch.Tensor, pos: int, cache: KVCache, last_only: bool = False,
+                argmax_only: bool = False) -> torch.Tensor:
+        """Full model on ids [T] at positions pos..; returns fp32 logits [T or 1, V]
+        (argmax_only: see logits)."""
         h = self.run_layers(self.embed(ids), 0, self.num_layers, pos, cache)
-        return self.logits(h[-1:] if last_only else h)
+        return self.logits(h[-1:] if last_only else h, argmax_only=argmax_only)

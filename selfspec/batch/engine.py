@@ -149,7 +149,8 @@ class BatchEngine:
                 self._active.append(seq)
                 if seq.kind == "solo":  # its drafter prefills on its own (e.g. auto's calibration)
                     with torch.inference_mode():
-                        logits = drafter.prefill(torch.tensor(req.prompt_ids, device=self.rt.device), cache)
+                        logits = drafter.prefill(torch.tensor(req.prompt_ids, device=self.rt.device), cache,
+                                                 argmax_only=req.sampling.greedy)
                     seq.prefilled = len(req.prompt_ids)
                     seq.pick_first(logits)
                 else:
@@ -216,7 +217,7 @@ class BatchEngine:
                 continue
             take = min(n, budget)
             ids = s.req.prompt_ids[s.prefilled : s.prefilled + take]
-            out.append((s, Part(s.cache, s.prefilled, ids, "last" if take == n else "none")))
+            out.append((s, Part(s.cache, s.prefilled, ids, "last" if take == n else "none", argmax_only=s.req.sampling.greedy)))
             budget -= take
         return out
 

@@ -60,7 +60,7 @@ def draft_depth(seqs: list) -> None:
 class Part:
     """Rows of one sequence in a staged pass: `cached` hidden states entering at layer `entry`
     (positions pos..), then `ids` (fresh tokens, from layer 0, positions pos+len(cached)..).
-    logits: "all" rows, "last" row, or "none"."""
+    logits: "all" rows, "last" row, or "none"; argmax_only: greedy rows (Runtime.logits)."""
 
     cache: object
     pos: int
@@ -68,6 +68,7 @@ class Part:
     logits: str = "all"
     cached: torch.Tensor | None = None
     entry: int = 0
+    argmax_only: bool = False
 
     @property
     def n_cached(self) -> int:
@@ -77,10 +78,11 @@ class Part:
 def verify_part(seq) -> Part:
     """The verification rows of a decoding sequence: its pending token and its drafts."""
     ids = [seq.step.tokens[-1], *seq.draft.tokens]
+    greedy = seq.req.sampling.greedy
     if isinstance(seq.actor, EarlyExitDrafter) and seq.exit_h:
         j = len(seq.exit_h)
-        return Part(seq.cache, seq.step.pos, ids[j:], "all", torch.cat(seq.exit_h), seq.actor.exit)
-    return Part(seq.cache, seq.step.pos, ids)
+        return Part(seq.cache, seq.step.pos, ids[j:], "all", torch.cat(seq.exit_h), seq.actor.exit, greedy)
+    return Part(seq.cache, seq.step.pos, ids, argmax_only=greedy)
 
 
 def staged_forward(rt, parts: list[Part]) -> list[torch.Tensor | None]:
@@ -108,9 +110,12 @@ def staged_forward(rt, parts: list[Part]) -> list[torch.Tensor | None]:
         want = [(i, cur[i] if parts[i].logits == "all" else cur[i][-1:]) for i in range(len(parts))
                 if parts[i].logits != "none" and cur[i] is not None]
         out: list[torch.Tensor | None] = [None] * len(parts)
-        if want:
-            logits = rt.logits(torch.cat([h for _, h in want]))
+        for greedy in (False, True):  # one head call per kind: rows are computed on their own
+            rows = [(i, h) for i, h in want if parts[i].argmax_only == greedy]
+            if not rows:
+                continue
+            logits = rt.logits(torch.cat([h for _, h in rows]), argmax_only=greedy)
             r = 0
-            for i, h in want:
+            for i, h in rows:
                 out[i], r = logits[r : r + h.shape[0]], r + h.shape[0]
     return out

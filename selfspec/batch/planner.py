@@ -36,7 +36,7 @@ class BatchCosts:
     """Seconds of a batched pass at each total row count (ROWS; others interpolate)."""
 
     layers: dict[int, float]  # all layers over R rows (spread over several sequences)
-    head: dict[int, float]  # final norm + full LM head over R rows
+    head: dict[int, float]  # final norm + LM head over R rows, argmax only (the planner plans greedy rows)
     overhead: float = 2e-4  # per forward call (Python, tables)
     _draft_cache: dict = field(default_factory=dict)
     _memo: dict = field(default_factory=dict)  # (what, rows...) -> seconds: the planner asks the same often
@@ -51,7 +51,7 @@ class BatchCosts:
                 table = _spread(caches, r, context)
                 h = (torch.randn(r, H, generator=gen) * 0.1).to(rt.device, rt.dtype)
                 layers[r] = time_call(lambda: rt.run_layers_batch(h, 0, rt.num_layers, table), repeats, statistics.median)
-                head[r] = time_call(lambda: rt.logits(h), repeats, statistics.median)
+                head[r] = time_call(lambda: rt.logits(h, argmax_only=True), repeats, statistics.median)
         return cls(_monotone(layers), _monotone(head))
 
     @staticmethod

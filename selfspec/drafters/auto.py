@@ -36,7 +36,8 @@ class AutoDrafter(Drafter):
                  choose_base=None, capture_exits: tuple[int, ...] = (), prior: tuple[float, float] | None = None,
                  timing: bool = True, source: str = "given"):
         super().__init__(runtime, cfg, eos_ids)
-        self.base, self.costs = base, costs
+        self.base, self.costs, self._costs_any = base, costs, costs
+        self._greedy_costs = False  # self.costs is _costs_any.greedy() (greedy steps: the argmax-only head)
         self.source = source if choose_base is None else "calibrated"  # where the base came from: given | profile | calibrated
         self.choose_base = choose_base  # (ids, captured hidden states, cache) -> (Drafter, alpha), without a base
         self.capture_exits = capture_exits
@@ -48,14 +49,14 @@ class AutoDrafter(Drafter):
     def max_draft(self) -> int:
         return self.base.cfg.num_speculations if self.base is not None else self.cfg.num_speculations
 
-    def prefill(self, ids, cache):
+    def prefill(self, ids, cache, argmax_only=False):
         self._reset()
         if self.choose_base is None:
             self._model_costs()
-            return self.base.prefill(ids, cache)
+            return self.base.prefill(ids, cache, argmax_only)
         # No profile: the prefill itself keeps the hidden states calibration scores, so
         # choosing a draft costs only a few head evaluations, not a second pass.
-        logits, captured = prefill_capturing(self.rt, ids, cache, self.capture_exits)
+        logits, captured = prefill_capturing(self.rt, ids, cache, self.capture_exits, argmax_only)
         self.base, alpha = self.choose_base(ids.tolist(), captured, cache)
         if alpha is not None:  # calibration measured acceptance: start from it, worth PRIOR_WEIGHT steps
             self.A, self.R = self.PRIOR_WEIGHT * alpha, self.PRIOR_WEIGHT * (1 - alpha)
@@ -110,6 +111,10 @@ class AutoDrafter(Drafter):
         return 1  # probe
 
     def draft(self, step):
+        if step.sampling.greedy != self._greedy_costs and self._costs_any is not None:
+            self._greedy_costs = step.sampling.greedy
+            self.costs = self._costs_any.greedy() if self._greedy_costs else self._costs_any
+            self._model_costs()
         k = self.plan(step.k)
         self.begin_step(k)
         return self.base.draft(replace(step, k=k))  # k = 0 still resets the base's per-step state

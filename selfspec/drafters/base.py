@@ -1,10 +1,12 @@
 """The protocol every draft strategy speaks with the engine (engine.py runs it):
 
     prefill(ids, cache)   -> logits [V] of the prompt's last position; starts a generation
+                             (argmax_only=True: greedy, as verify's rows below)
     draft(step)           -> Draft: up to step.k proposed tokens (and, when sampling, the
                              distribution each was drawn from)
     verify(step, draft)   -> target logits [len(draft)+1, V] for the pending token and every
-                             drafted token, all from the *full* model
+                             drafted token, all from the *full* model (greedy: argmax-only
+                             rows, Runtime.logits(argmax_only=True))
     accepted(step, draft, n)  the verifier kept n drafts (adaptation, per-position state)
     verify_foreign(step, draft)   verify drafts another drafter made (prompt lookup's, for
                              lookup-first), keeping this drafter's own per-position state whole
@@ -63,9 +65,9 @@ class Drafter:
     def max_draft(self) -> int:
         return self.cfg.num_speculations if self.cfg.speculative else 0
 
-    def prefill(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def prefill(self, ids: torch.Tensor, cache: KVCache, argmax_only: bool = False) -> torch.Tensor:
         self.start(cache)
-        return self.rt.forward(ids, 0, cache, last_only=True)[0]
+        return self.rt.forward(ids, 0, cache, last_only=True, argmax_only=argmax_only)[0]
 
     def start(self, cache: KVCache) -> None:
         """Reset per-generation state (nothing here)."""
@@ -75,7 +77,7 @@ class Drafter:
 
     def verify(self, step: Step, draft: Draft) -> torch.Tensor:
         ids = torch.tensor([step.tokens[-1], *draft.tokens], device=self.rt.device)
-        return self.rt.forward(ids, step.pos, step.cache)
+        return self.rt.forward(ids, step.pos, step.cache, argmax_only=step.sampling.greedy)
 
     def verify_foreign(self, step: Step, draft: Draft) -> torch.Tensor:
         return Drafter.verify(self, step, draft)

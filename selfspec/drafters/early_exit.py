@@ -60,7 +60,7 @@ class EarlyExitDrafter(TokenDrafter):
             self._exits_written(self._exit_h[-1], step.pos + j)
         h = torch.cat(self._exit_h)  # [k+1, H]
         h = self.rt.run_layers(h, self.exit, self.rt.num_layers, step.pos, step.cache)
-        return self.rt.logits(h)
+        return self.rt.logits(h, argmax_only=step.sampling.greedy)
 
     def _exits_written(self, h: torch.Tensor, pos: int) -> None:
         pass
@@ -100,14 +100,14 @@ class ExitAdapterDrafter(EarlyExitDrafter):
             self._kv = AdapterCache(self.adapter.meta, cache.capacity, self.rt.device)
             self._kv_len = 0
 
-    def prefill(self, ids, cache):
+    def prefill(self, ids, cache, argmax_only=False):
         if not self.attends:
-            return super().prefill(ids, cache)
+            return super().prefill(ids, cache, argmax_only)
         self.start(cache)
         h = self._exit_hidden(ids, 0, cache)  # [P, H]
         self._exits_written(h, 0)
         h = self.rt.run_layers(h, self.exit, self.rt.num_layers, 0, cache)
-        return self.rt.logits(h[-1:])[0]
+        return self.rt.logits(h[-1:], argmax_only=argmax_only)[0]
 
     def _catch_up(self, step: Step) -> None:
         """Context this drafter has not seen (a prefill it did not run, e.g. auto's

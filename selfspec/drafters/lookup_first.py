@@ -25,8 +25,8 @@ class LookupFirstDrafter(Drafter):
         self.lookup = PromptLookupDrafter(inner.rt, lookup, tuple(inner.eos_ids))
         self.name = f"{inner.name}+lookup" + (" (greedy)" if greedy_only else "")
 
-    def prefill(self, ids, cache):
-        return self.inner.prefill(ids, cache)
+    def prefill(self, ids, cache, argmax_only=False):
+        return self.inner.prefill(ids, cache, argmax_only)
 
     def start(self, cache):
         self.inner.start(cache)

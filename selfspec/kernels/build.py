@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 _CSRC = Path(__file__).parent.parent / "csrc"
-_SRCS = [_CSRC / name for name in ("gemm.c", "blocks.c", "quant.c", "sampling.c")]
+_SRCS = [_CSRC / name for name in ("gemm.c", "blocks.c", "quant.c", "sampling.c", "screen.c")]
 _HEADERS = [_CSRC / "simd.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 # The kernels are written for AVX-512 (F, BW, VL) and for AVX2 + FMA + F16C (csrc/simd.h); both
@@ -139,6 +139,19 @@ def _load():
                                            ctypes.c_int, ctypes.c_int]
             dll.selfspec_qgemm_ref.restype = ctypes.c_int
             dll.selfspec_qgemm_ref.argtypes = [ctypes.c_long] + [ctypes.c_void_p] * 3
+            dll.selfspec_act_residual.restype = ctypes.c_int
+            dll.selfspec_act_residual.argtypes = [ctypes.c_long] * 2 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 2
+            dll.selfspec_screen_candidates.restype = ctypes.c_int
+            dll.selfspec_screen_candidates.argtypes = ([ctypes.c_long] * 2 + [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p,
+                                                       ctypes.c_long, ctypes.c_void_p, ctypes.c_int])
+            dll.selfspec_screen_qgemm.restype = ctypes.c_int
+            dll.selfspec_screen_qgemm.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+            dll.selfspec_screen_quantize.restype = ctypes.c_int
+            dll.selfspec_screen_quantize.argtypes = ([ctypes.c_long] * 2 + [ctypes.c_void_p] + [ctypes.c_int] * 2
+                                                     + [ctypes.c_double] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int])
+            dll.selfspec_exact_columns.restype = ctypes.c_int
+            dll.selfspec_exact_columns.argtypes = ([ctypes.c_long] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
+                                                   + [ctypes.c_void_p] * 2 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_int])
             _lib = (fn, ref)
             _blocks.update(attn=dll.selfspec_attn_block, mlp=dll.selfspec_mlp_block, attn_batch=dll.selfspec_attn_block_batch,
                            norm_rows=dll.selfspec_norm_rows, softcap=dll.selfspec_softcap,

@@ -93,7 +93,7 @@ def calibration_exits(num_layers: int) -> tuple[int, ...]:
     return tuple(sorted({round(1 + i * (num_layers - 2) / max(n - 1, 1)) for i in range(n)}))
 
 
-def prefill_capturing(runtime, ids: torch.Tensor, cache, exits) -> tuple[torch.Tensor, dict]:
+def prefill_capturing(runtime, ids: torch.Tensor, cache, exits, argmax_only: bool = False) -> tuple[torch.Tensor, dict]:
     """The prompt's prefill (Runtime.forward's computation: the same cache and logits), keeping
     the last CALIBRATION_POSITIONS hidden states at the input of each exit layer and after the
     last layer. -> (logits [V], captured)."""
@@ -102,7 +102,7 @@ def prefill_capturing(runtime, ids: torch.Tensor, cache, exits) -> tuple[torch.T
     h = runtime.run_layers(runtime.embed(ids), 0, runtime.num_layers, 0, cache, capture=states)
     captured = {i: s[-P:] for i, s in states.items()}
     captured["final"] = h[-P:]
-    return runtime.logits(h[-1:])[0], captured
+    return runtime.logits(h[-1:], argmax_only=argmax_only)[0], captured
 
 
 def quantized_agreement(runtime, quant, ids: list[int], cache, target, head, vocab) -> Agreement:

@@ -15,7 +15,7 @@ import json
 import os
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -27,7 +27,7 @@ from selfspec.loading import cache_root
 from selfspec.profiles import atomic_write_text
 
 ROWS = (1, 2, 3, 5, 9, MAX_SPECULATIONS + 1)  # row counts timed; others interpolate
-FORMAT = "selfspec-costs/3"
+FORMAT = "selfspec-costs/4"
 
 
 def head_key(n: int | None, bits: int | None) -> int | str:
@@ -65,6 +65,12 @@ class CostModel:
     embed: float = 0.0
     step_overhead: float = 0.0  # per forward call beyond its parts (masks, Python), measured
     quant_layers: dict[int, tuple[float, float]] = field(default_factory=dict)  # bits -> 1-row (attention, MLP) of the quantized copy
+    head_greedy: dict[int, float] = field(default_factory=dict)  # the head for argmax only (greedy_head.py); empty: as `head`
+
+    def greedy(self) -> "CostModel":
+        """These costs for greedy decoding: the head computed for argmax only (where the runtime
+        screens it; elsewhere the same costs)."""
+        return replace(self, head=self.head_greedy) if self.head_greedy else self
 
     @classmethod
     def measure(cls, runtime, draft_heads: dict[int | str, object] | None = None, quantized: dict | None = None,
@@ -81,7 +87,7 @@ class CostModel:
         H = runtime.spec.hidden_size
         timed = partial(time_call, repeats=repeats)  # min, not median (above)
 
-        attn, mlp, head = {}, {}, {}
+        attn, mlp, head, head_greedy = {}, {}, {}, {}
         with torch.inference_mode():
             for r in ROWS:
                 h = (torch.randn(r, H, generator=gen) * 0.1).to(runtime.device, runtime.dtype)
@@ -91,6 +97,7 @@ class CostModel:
                     tm.append(timed(lambda: runtime.run_layers(h, i, i + 1, 100, cache, all_layers, frozenset())))
                 attn[r], mlp[r] = statistics.mean(ta), statistics.mean(tm)
                 head[r] = timed(lambda: runtime.logits(h))
+                head_greedy[r] = timed(lambda: runtime.logits(h, argmax_only=True))
             h1 = (torch.randn(1, H, generator=gen) * 0.1).to(runtime.device, runtime.dtype)
             drafts = {k: timed(lambda w=w: runtime.logits(h1, head=w)) for k, w in (draft_heads or {}).items()}
             quant = {}
@@ -105,11 +112,12 @@ class CostModel:
             forward = timed(lambda: runtime.forward(ids, 100, cache))
         # More rows never cost less; timing noise (and CPU row padding: 1 row runs as 2)
         # must not make a longer verify look cheaper.
-        for table in (attn, mlp, head):
+        for table in (attn, mlp, head, head_greedy):
             for a, b in zip(ROWS, ROWS[1:]):
                 table[b] = max(table[b], table[a])
         overhead = max(0.0, forward - (embed + L * (attn[1] + mlp[1]) + head[1]))
-        return cls(L, attn, mlp, head, drafts, embed, overhead, quant)
+        head_greedy = {r: min(t, head[r]) for r, t in head_greedy.items()}  # never dearer: it could fall back to the full head
+        return cls(L, attn, mlp, head, drafts, embed, overhead, quant, head_greedy)
 
     # -- composite costs ------------------------------------------------------------------
 
@@ -160,7 +168,7 @@ class CostModel:
             "attn_s": self.attn, "mlp_s": self.mlp, "head_s": self.head,
             "draft_heads_s": {str(k): v for k, v in self.draft_heads.items()}, "embed_s": self.embed,
             "call_overhead_s": self.step_overhead, "quant_layers_s": {str(b): list(v) for b, v in self.quant_layers.items()},
-            "ar_step_s": self.ar_step,
+            "head_greedy_s": self.head_greedy, "ar_step_s": self.ar_step,
         }
 
     @classmethod
@@ -169,7 +177,7 @@ class CostModel:
         heads = {(int(k) if k.isdigit() else k): float(v) for k, v in d["draft_heads_s"].items()}
         quant = {int(b): (float(v[0]), float(v[1])) for b, v in d.get("quant_layers_s", {}).items()}
         return cls(int(d["num_layers"]), table(d["attn_s"]), table(d["mlp_s"]), table(d["head_s"]),
-                   heads, float(d["embed_s"]), float(d["call_overhead_s"]), quant)
+                   heads, float(d["embed_s"]), float(d["call_overhead_s"]), quant, table(d.get("head_greedy_s", {})))
 
 
 def costs_path(identity: dict) -> Path:

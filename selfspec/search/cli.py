@@ -102,7 +102,7 @@ def cmd_search(args) -> int:
     log = (lambda msg: console.print(f"[dim][worker {args.worker_index}][/dim] {msg}", highlight=False))
     log(f"calibrating: greedy continuations of {len(prompts)} prompts, primitive costs")
     cal = S.Calibration(model, prompts, cfg.max_new_tokens)
-    costs = model.resources.cost_model(*S.cost_parts(cfg, model.spec.vocab_size))
+    costs = model.resources.cost_model(*S.cost_parts(cfg, model.spec.vocab_size)).greedy()  # it scores greedy decoding
     study, interrupted = _run_workers(args, cfg, model, storage, study_name, cal, costs, log)
     if args.worker_only:
         return INTERRUPTED if interrupted else 0

@@ -1,0 +1,382 @@
+/* The exact greedy argmax of the LM head, screened by its int8 copy (selfspec/greedy_head.py):
+ *
+ *   l[v] = chain(x, w[:, v])     the logit the bf16/fp32 head computes (gemm.c: the FMA chain,
+ *                                or the pair chain of VDPBF16PS), the one plain decoding argmaxes
+ *   a[v] = qgemm(x, what[:, v])  the int8 head's value (quant.c: activations quantized too)
+ *
+ * For every column |l[v] - a[v]| <= E[v] = xn * alpha[v] + dxn * beta[v] (+ a tiny constant),
+ * with xn = ||x'||, dxn = ||x' - xhat|| per row (quant.c selfspec_act_residual) and
+ *   alpha[v] = ||w - what|| + g_K ||w|| + g_B ||what||,   beta[v] = (1 + g_B) ||what||
+ * (Cauchy-Schwarz on w.x' - what.xhat = (w - what).x' + what.(x' - xhat), plus gamma bounds of
+ * the two fp32 chains: g_K = K u / (1 - K u) for the exact chain of K terms, g_B the same for
+ * the int8 chain over its blocks; greedy_head.py computes alpha and beta in float64 and rounds
+ * them up). So with lo = max_u (a[u] - E[u]) <= max_u l[u], every column whose l can reach the
+ * maximum, ties included, is in
+ *
+ *   candidates = { v : a[v] + E[v] >= lo }        (in increasing v)
+ *
+ * and the argmax of l over the candidates (first index on ties) is the argmax over all V.
+ * bf16 logits (round_out: the head's output is rounded to bf16, as gemm.c does for bf16 x):
+ * rounding is monotone, so a column can tie the rounded maximum only if its l reaches within
+ * one bf16 step of lo; the threshold is lowered by |lo| 2^-6 (two steps) and the candidates'
+ * values are rounded as gemm.c rounds them.
+ * The bounds are evaluated in double from fp32 inputs with a relative margin of 1e-6 on E,
+ * far above double's rounding. Only the candidates get exact chains (selfspec_exact_columns):
+ * a decode step reads the int8 head (half the bytes) instead of the bf16 one.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <stdlib.h>
+#include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define SCREEN_MARGIN (1.0 + 1e-6)
+#define SCREEN_TINY 1e-30  /* absolute slack: denormals flushed by the pair chain, and E = 0 rows */
+#define MAX_TEAM 8  /* memory-bound passes: more threads would not help, and each holds a candidate buffer per row */
+
+static inline float sc_bf16_to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16; float f; memcpy(&f, &u, 4); return f;
+}
+static inline uint16_t sc_f32_to_bf16(float f) {  /* gemm.c's f32_to_bf16 */
+    uint32_t u; memcpy(&u, &f, 4);
+    if (isnan(f)) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* ---- the screen's int8 values a[v] ------------------------------------------------------
+ * a is quant.c's int8 matmul (selfspec_qgemm): activations quantized per row in blocks of
+ * SQB = QB = 32 k (sx = amax / 127, xq = clamp(rne(x / sx), -127, 127): q_act_row, repeated
+ * here as sc_act_row for the residual), a = (sum over blocks b in order of
+ * fmaf(sx_b, (float)acc_b, y)) * s[n] with acc_b the exact int32 sum of xq * q. (7-bit
+ * activations would let AVX2's vpmaddubsw take the stored bytes unsigned, 3 instructions per
+ * 32 products instead of 5, but they doubled dxn and gave ~10x the candidates on Gemma 3 270M,
+ * whose final hidden states have outlier dimensions: measured, not kept.) */
+#define SQB 32
+#define SCREEN_QMAX 127
+
+typedef struct {  /* quant.c's ss_qweight, the same layout */
+    const void *q, *scale, *zero;
+    long in_features, out_features, group;
+    int bits;
+} sc_qweight;
+
+int selfspec_qgemm(long M, const void *x, int x_bf16, const void *w, void *y, int y_bf16, int nthreads);
+
+static inline float sc_load_x(const void *x, int x_bf16, long i) {
+    return x_bf16 ? sc_bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+static void sc_act_row(const void *x, int x_bf16, long row, long K, int8_t *xq, float *sx, int32_t *xs) {
+    long nblk = (K + SQB - 1) / SQB;
+    for (long b = 0; b < nblk; b++) {
+        long k0 = b * SQB, k1 = k0 + SQB < K ? k0 + SQB : K;
+        float amax = 0.0f;
+        for (long k = k0; k < k1; k++) {
+            float v = fabsf(sc_load_x(x, x_bf16, row * K + k));
+            amax = v > amax ? v : amax;  /* NaN never wins */
+        }
+        float s = amax / (float)SCREEN_QMAX;
+        int32_t sum = 0;
+        for (long k = k0; k < k0 + SQB; k++) {
+            int v = 0;
+            if (k < k1 && s != 0.0f) {
+                float r = nearbyintf(sc_load_x(x, x_bf16, row * K + k) / s);
+                r = fminf(fmaxf(r, -(float)SCREEN_QMAX), (float)SCREEN_QMAX);  /* NaN -> -QMAX */
+                v = (int)r;
+            }
+            xq[k] = (int8_t)v;
+            sum += v;
+        }
+        sx[b] = s;
+        xs[b] = sum;
+    }
+}
+
+/* Per row, in double: xn = ||x'|| (x' = x as fp32, or rounded to bf16 first: the pair chain's
+ * inputs) and dxn = ||x' - xhat||, xhat[k] = sx_b xq[k] (exact in double), the activations the
+ * screen's matmul multiplies. */
+int selfspec_act_residual(long M, long K, const void *x, int x_bf16, int round_bf16, double *xn, double *dxn) {
+    if (M <= 0 || K <= 0) return 0;
+    const long nblk = (K + SQB - 1) / SQB;
+    int8_t *xq = (int8_t *)malloc((size_t)nblk * SQB);
+    float *sx = (float *)malloc(sizeof(float) * nblk);
+    int32_t *xs = (int32_t *)malloc(sizeof(int32_t) * nblk);
+    if (!xq || !sx || !xs) { free(xq); free(sx); free(xs); return 1; }
+    for (long m = 0; m < M; m++) {
+        sc_act_row(x, x_bf16, m, K, xq, sx, xs);
+        double n2 = 0.0, d2 = 0.0;
+        for (long k = 0; k < K; k++) {
+            float v = sc_load_x(x, x_bf16, m * K + k);
+            if (round_bf16) v = sc_bf16_to_f32(sc_f32_to_bf16(v));
+            double d = (double)v - (double)sx[k / SQB] * (double)xq[k];
+            n2 += (double)v * (double)v;
+            d2 += d * d;
+        }
+        xn[m] = sqrt(n2);
+        dxn[m] = sqrt(d2);
+    }
+    free(xq); free(sx); free(xs);
+    return 0;
+}
+
+/* a = the screen's int8 values of x [M, K] (bf16 or fp32) against the int8 copy w (an 8-bit
+ * ss_qweight): y fp32 [M, N], through quant.c's selfspec_qgemm. */
+int selfspec_screen_qgemm(long M, const void *x, int x_bf16, const void *wd, float *y, int nthreads) {
+    const sc_qweight *w = (const sc_qweight *)wd;
+    if (w->bits != 8) return 2;
+    return selfspec_qgemm(M, x, x_bf16, wd, y, 0, nthreads);
+}
+
+
+static int screen_team(long work, int nthreads) {
+    int nt = nthreads;
+#ifdef _OPENMP
+    if (nt <= 0) nt = omp_get_max_threads();
+#endif
+    if (nt > MAX_TEAM) nt = MAX_TEAM;
+    if (work < 65536) nt = 1;  /* not worth waking a team */
+    return nt < 1 ? 1 : nt;
+}
+
+/* a [M, V] fp32 (the int8 head's outputs), ab [2][V] fp32 (alpha, then beta), xn / dxn [M] double.
+ * cand [M][cap] int32 out, count [M] out: the number of candidates of row m (> cap: too many,
+ * only the first cap kept; the caller computes that row in full). A row whose xn or dxn is not
+ * a finite number below 1e15, or whose bounds are not finite, gets count = -1 (the caller
+ * computes it in full). Threads split v into contiguous shares (one team for all rows); a
+ * row's candidates are the shares' joined in order, so increasing in v. Returns 0, or 1 when
+ * out of memory. */
+static inline double sc_e(double X, double D, const float *al, const float *be, long v) {
+    return (X * (double)al[v] + D * (double)be[v]) * SCREEN_MARGIN + SCREEN_TINY;
+}
+
+/* max over v in [v0, v1) of a[v] - e[v] (NaN never wins), 4 lanes of double at a time */
+static double sc_row_lo(const float *am, const float *al, const float *be, double X, double D, long v0, long v1) {
+    const __m256d vX = _mm256_set1_pd(X), vD = _mm256_set1_pd(D), vM = _mm256_set1_pd(SCREEN_MARGIN), vT = _mm256_set1_pd(SCREEN_TINY);
+    __m256d best = _mm256_set1_pd(-INFINITY);
+    long v = v0;
+    for (; v + 4 <= v1; v += 4) {
+        __m256d e = _mm256_add_pd(_mm256_mul_pd(_mm256_add_pd(_mm256_mul_pd(vX, _mm256_cvtps_pd(_mm_loadu_ps(al + v))),
+                                                              _mm256_mul_pd(vD, _mm256_cvtps_pd(_mm_loadu_ps(be + v)))), vM), vT);
+        __m256d d = _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(am + v)), e);
+        best = _mm256_max_pd(d, best);  /* d NaN: best (max_pd returns its second operand) */
+    }
+    double lanes[4], l = -INFINITY;
+    _mm256_storeu_pd(lanes, best);
+    for (int i = 0; i < 4; i++) l = lanes[i] > l ? lanes[i] : l;
+    for (; v < v1; v++) {
+        double d = (double)am[v] - sc_e(X, D, al, be, v);
+        l = d > l ? d : l;
+    }
+    return l;
+}
+
+/* the v in [v0, v1) with a[v] + e[v] >= g, in order, into out (at most cap); returns how many */
+static long sc_row_collect(const float *am, const float *al, const float *be, double X, double D, double g, long v0, long v1,
+                           int32_t *out, long cap) {
+    const __m256d vX = _mm256_set1_pd(X), vD = _mm256_set1_pd(D), vM = _mm256_set1_pd(SCREEN_MARGIN), vT = _mm256_set1_pd(SCREEN_TINY);
+    const __m256d vg = _mm256_set1_pd(g);
+    long n = 0, v = v0;
+    for (; v + 4 <= v1; v += 4) {
+        __m256d e = _mm256_add_pd(_mm256_mul_pd(_mm256_add_pd(_mm256_mul_pd(vX, _mm256_cvtps_pd(_mm_loadu_ps(al + v))),
+                                                              _mm256_mul_pd(vD, _mm256_cvtps_pd(_mm_loadu_ps(be + v)))), vM), vT);
+        __m256d u = _mm256_add_pd(_mm256_cvtps_pd(_mm_loadu_ps(am + v)), e);
+        int mask = _mm256_movemask_pd(_mm256_cmp_pd(u, vg, _CMP_GE_OQ));
+        while (mask) {
+            int i = __builtin_ctz(mask);
+            mask &= mask - 1;
+            if (n < cap) out[n] = (int32_t)(v + i);
+            n++;
+        }
+    }
+    for (; v < v1; v++)
+        if ((double)am[v] + sc_e(X, D, al, be, v) >= g) {
+            if (n < cap) out[n] = (int32_t)v;
+            n++;
+        }
+    return n;
+}
+
+int selfspec_screen_candidates(long M, long V, const float *a, const float *ab, const double *xn, const double *dxn,
+                               int round_out, int32_t *cand, long cap, long *count, int nthreads) {
+    if (M <= 0) return 0;
+    int nt = screen_team(V * M, nthreads);
+    double *lo = (double *)malloc(sizeof(double) * (size_t)M * (size_t)(nt + 1));  /* [nt][M] partial, then [M] */
+    long *found = (long *)malloc(sizeof(long) * (size_t)M * (size_t)nt);
+    int32_t *local = (int32_t *)malloc(sizeof(int32_t) * (size_t)nt * (size_t)M * (size_t)(cap > 0 ? cap : 1));
+    if (!lo || !found || !local) { free(lo); free(found); free(local); return 1; }
+    double *glo = lo + (size_t)M * (size_t)nt;
+    int team = 1;
+    for (long m = 0; m < M; m++) count[m] = (xn[m] < 1e15 && dxn[m] < 1e15) ? 0 : -1;  /* NaN fails too */
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt)
+#endif
+    {
+        int t = 0, T = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num(); T = omp_get_num_threads();
+#endif
+        if (t == 0) team = T;
+        const long v0 = V * t / T, v1 = V * (t + 1) / T;
+        for (long m = 0; m < M; m++) {  /* rows outer: locals in registers, ab's share from cache */
+            lo[(size_t)t * (size_t)M + m] = sc_row_lo(a + m * V, ab, ab + V, xn[m], dxn[m], v0, v1);
+        }
+#ifdef _OPENMP
+#pragma omp barrier
+#pragma omp single
+#endif
+        for (long m = 0; m < M; m++) {
+            double g = -INFINITY;
+            for (int u = 0; u < T; u++) g = lo[(size_t)u * (size_t)M + m] > g ? lo[(size_t)u * (size_t)M + m] : g;
+            if (!isfinite(g)) count[m] = -1;
+            glo[m] = round_out ? g - (fabs(g) * 0x1p-6 + SCREEN_TINY) : g;
+        }
+        /* (the implicit barrier after single) */
+        for (long m = 0; m < M; m++) {
+            found[(size_t)t * (size_t)M + m] = count[m] < 0 ? 0
+                : sc_row_collect(a + m * V, ab, ab + V, xn[m], dxn[m], glo[m], v0, v1,
+                                 local + ((size_t)t * (size_t)M + m) * (size_t)cap, cap);
+        }
+    }
+    for (long m = 0; m < M; m++) {
+        if (count[m] < 0) continue;
+        long total = 0;
+        for (int t = 0; t < team; t++) {
+            long f = found[(size_t)t * (size_t)M + m], n = f < cap ? f : cap;
+            if (total + n <= cap) memcpy(cand + m * cap + total, local + ((size_t)t * (size_t)M + m) * (size_t)cap, sizeof(int32_t) * n);
+            total += f;
+        }
+        count[m] = total;
+    }
+    free(lo);
+    free(found);
+    free(local);
+    return 0;
+}
+
+static inline float sc_ftz(float f) { return fpclassify(f) == FP_SUBNORMAL ? copysignf(0.0f, f) : f; }
+static inline float sc_fma(float a, float b, float c) {  /* one rounding, as the vector FMAs */
+    return _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(a), _mm_set_ss(b), _mm_set_ss(c)));
+}
+
+/* element (k, n) of a head laid out as gemm.c's layouts: 0 plain [K, N], 1 packed
+ * [ceil(N/64)][K][64], 2 pairs [ceil(N/64)][ceil(K/2)][64][2] */
+static inline long sc_index(int layout, long K, long N, long k, long n) {
+    if (layout == 0) return k * N + n;
+    long t = n / 64, c = n % 64;
+    if (layout == 1) return (t * K + k) * 64 + c;
+    long K2 = (K + 1) / 2;
+    return ((t * K2 + k / 2) * 64 + c) * 2 + (k & 1);
+}
+
+static inline float sc_w(const void *w, int w_bf16, long i) {
+    return w_bf16 ? sc_bf16_to_f32(((const uint16_t *)w)[i]) : ((const float *)w)[i];
+}
+
+#define SC_GROUP 8  /* candidates whose chains run side by side (independent: latency hidden) */
+
+/* The exact logits of the candidates: x [M, K] fp32 (the values the head's gemm multiplies),
+ * w the head in `layout` (pairs: bf16 only), cand / count as selfspec_screen_candidates made
+ * them (rows with count < 0 or > cap are skipped), out [M][cap] fp32. Each value is computed
+ * by the very chain gemm.c computes for that column (layout 0/1: acc = fma(x[k], w[k], acc),
+ * k = 0..K-1; layout 2: selfspec_gemm_pairs_ref's chain), so it is that column's logit, bit for
+ * bit (round_out: then rounded to bf16 as gemm.c rounds a bf16 output). Returns 0, or 2 for a
+ * bad layout. */
+int selfspec_exact_columns(long M, long K, long N, const float *x, const void *w, int w_bf16, int layout,
+                           int round_out, const int32_t *cand, const long *count, long cap, float *out, int nthreads) {
+    if (layout < 0 || layout > 2 || (layout == 2 && !w_bf16)) return 2;
+    long work = 0;
+    for (long m = 0; m < M; m++) work += count[m] > 0 && count[m] <= cap ? count[m] : 0;
+    int nt = screen_team(work * K / 8, nthreads);
+    /* (row, group of SC_GROUP candidates) work items, flattened */
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 4) collapse(2)
+#endif
+    for (long m = 0; m < M; m++)
+        for (long g0 = 0; g0 < cap; g0 += SC_GROUP) {
+            long n = count[m];
+            if (n <= 0 || n > cap || g0 >= n) continue;
+            long G = n - g0 < SC_GROUP ? n - g0 : SC_GROUP;
+            const int32_t *c = cand + m * cap + g0;
+            const float *xr = x + m * K;
+            float acc[SC_GROUP] = {0};
+            if (layout < 2) {
+                for (long k = 0; k < K; k++)
+                    for (long j = 0; j < G; j++) acc[j] = sc_fma(xr[k], sc_w(w, w_bf16, sc_index(layout, K, N, k, c[j])), acc[j]);
+            } else {
+                for (long k = 0; k < K; k += 2) {
+                    float x0 = sc_ftz(sc_bf16_to_f32(sc_f32_to_bf16(xr[k])));
+                    float x1 = k + 1 < K ? sc_ftz(sc_bf16_to_f32(sc_f32_to_bf16(xr[k + 1]))) : 0.0f;
+                    for (long j = 0; j < G; j++) {
+                        float w0 = sc_ftz(sc_w(w, 1, sc_index(2, K, N, k, c[j])));
+                        float w1 = k + 1 < K ? sc_ftz(sc_w(w, 1, sc_index(2, K, N, k + 1, c[j]))) : 0.0f;
+                        acc[j] = sc_ftz(sc_fma(x1, w1, acc[j]));
+                        acc[j] = sc_ftz(sc_fma(x0, w0, acc[j]));
+                    }
+                }
+            }
+            for (long j = 0; j < G; j++) out[m * cap + g0 + j] = round_out ? sc_bf16_to_f32(sc_f32_to_bf16(acc[j])) : acc[j];
+        }
+    return 0;
+}
+
+/* The screen's int8 copy of a head and its bound coefficients, in one pass per 64-column tile:
+ * w [K, N] in `layout` (as selfspec_exact_columns), bf16 or fp32. Per column n (absmax):
+ *   s = max_k |w[k, n]| / 127 (fp32; a zero column gets s = 1), q[k] = clamp(rne(w / s), -127, 127)
+ *   what = s q (exact in double), and in double: wn = ||w||, qn = ||what||, en = ||w - what||
+ *   alpha = en + g_k wn + g_b qn,  beta = (1 + g_b) qn,  both rounded up to fp32
+ * Output: q as quant.c's int8 layout (u = q + 128, [ceil(N/64)][ceil(K/4)][64][4], padding 128),
+ * scale fp32 [N], ab fp32 [2][N] (alpha, then beta). Returns 0, 2 for a bad layout, 3 if a weight
+ * is not finite. */
+int selfspec_screen_quantize(long K, long N, const void *w, int w_bf16, int layout, double g_k, double g_b,
+                             uint8_t *q, float *scale, float *ab, int nthreads) {
+    if (layout < 0 || layout > 2 || (layout == 2 && !w_bf16)) return 2;
+    const long NB = (N + 63) / 64, K4 = (K + 3) / 4;
+    int bad = 0;
+    int nt = screen_team(K * N, nthreads);
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(static) reduction(| : bad)
+#endif
+    for (long t = 0; t < NB; t++) {
+        uint8_t *qt = q + t * K4 * 64 * 4;
+        memset(qt, 128, (size_t)K4 * 64 * 4);
+        for (long c = 0; c < 64; c++) {
+            long n = t * 64 + c;
+            if (n >= N) break;
+            float amax = 0.0f;
+            for (long k = 0; k < K; k++) {
+                float v = sc_w(w, w_bf16, sc_index(layout, K, N, k, n));
+                if (!isfinite(v)) bad = 1;
+                float av = fabsf(v);
+                amax = av > amax ? av : amax;
+            }
+            float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+            if (!(s > 0.0f)) s = 1.0f;  /* amax / 127 underflowed */
+            double wn = 0.0, qn = 0.0, en = 0.0;
+            for (long k = 0; k < K; k++) {
+                float v = sc_w(w, w_bf16, sc_index(layout, K, N, k, n));
+                float r = nearbyintf(v / s);
+                r = fminf(fmaxf(r, -127.0f), 127.0f);
+                int qi = (int)r;
+                qt[((k / 4) * 64 + c) * 4 + k % 4] = (uint8_t)(qi + 128);
+                double wh = (double)s * (double)qi, d = (double)v - wh;
+                wn += (double)v * (double)v;
+                qn += wh * wh;
+                en += d * d;
+            }
+            wn = sqrt(wn); qn = sqrt(qn); en = sqrt(en);
+            /* sqrt and the sums are correctly rounded / accurate to ~1e-13 relative in double: the
+             * screen's margin (1e-6) covers them; rounding up to fp32 keeps the bound */
+            double alpha = en + g_k * wn + g_b * qn, beta = (1.0 + g_b) * qn;
+            float fa = (float)alpha, fb = (float)beta;
+            if ((double)fa < alpha) fa = nextafterf(fa, INFINITY);
+            if ((double)fb < beta) fb = nextafterf(fb, INFINITY);
+            scale[n] = s;
+            ab[n] = fa;
+            ab[N + n] = fb;
+        }
+    }
+    return bad ? 3 : 0;
+}

@@ -1,0 +1,102 @@
+"""The exact greedy argmax of the LM head for half its bytes: an int8 copy screens, exact chains decide.
+
+Greedy decoding (and greedy verification) needs only argmax_v l[v] of each row, where l is what
+the bf16 (or fp32) head computes (csrc/gemm.c's chain). Reading that head is most of a decode
+step on a small model (Gemma 3 270M: 335 MB of its 536 MB). So:
+
+    a[v] = the int8 head's value (csrc/quant.c, activations quantized too)  -- half the bytes
+    |l[v] - a[v]| <= E[v] = ||x'|| alpha[v] + ||x' - xhat|| beta[v]        -- for every v, proven
+    candidates = { v : a[v] + E[v] >= max_u (a[u] - E[u]) }                -- holds every maximum
+    logits     = l at the candidates (the very chains of gemm.c), -inf elsewhere
+
+The bound is Cauchy-Schwarz on w.x' - what.xhat = (w - what).x' + what.(x' - xhat) plus the
+rounding of both fp32 chains (csrc/screen.c has the derivation). Every column that can be the
+maximum, ties included, is a candidate and carries its exact logit; every other one is
+strictly below the maximum. So argmax over the returned row, first index on ties, is the
+argmax of the full head, token for token: greedy output does not change, only its cost (on
+the default model ~50 candidates a row on average, a few hundred at worst; a row with more
+than CAP, or with non-finite inputs, is computed by the full head instead).
+
+Only argmax may be taken from these rows (Runtime.logits(argmax_only=True)): sampling, and
+anything that reads probabilities, uses the full head.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+
+import torch
+
+from selfspec import kernels
+from selfspec.kernels.screen import act_residual, exact_columns, screen_qgemm, quant_block, screen_candidates, screen_quantize
+
+CAP = 4096  # candidates a row may have before it is computed in full
+MIN_WEIGHTS = 1 << 22  # smaller heads stay in cache, where the screen's fixed costs (~0.1 ms) outweigh the bytes saved
+_U = 2.0**-24  # fp32 unit roundoff
+
+
+def _gamma(n: int) -> float:
+    """gamma_n = n u / (1 - n u): the relative error bound of an n-term fp32 chain."""
+    return n * _U / (1 - n * _U)
+
+
+class ScreenedHead:
+    """The int8 copy of a head (0.5x its bf16 bytes) and the per-column bound coefficients."""
+
+    def __init__(self, head, qhead: kernels.QuantizedWeight, ab: torch.Tensor):
+        self.head, self.qhead, self.ab = head, qhead, ab  # ab [2, V] fp32: alpha, beta (rounded up)
+        self.pairs = isinstance(head, kernels.PackedWeight) and head.pairs
+        self.rows = self.candidates = self.full_rows = 0  # counters: what screening did
+
+    @classmethod
+    def make(cls, head) -> ScreenedHead | None:
+        """From a runtime's head (plain [K, V] or packed, bf16 or fp32): its absmax int8 copy and
+        bound coefficients in one pass (csrc/screen.c); None if its weights are not all finite
+        (the bound needs them to be)."""
+        k = head.shape[0]
+        nblk = -(-k // quant_block())  # the int8 chain sums one term per activation block
+        made = screen_quantize(head, _gamma(k), _gamma(nblk + 2))  # the exact chain; the int8 chain (blocks + scale)
+        return None if made is None else cls(head, *made)
+
+    @property
+    def nbytes(self) -> int:
+        return self.qhead.nbytes + self.ab.numel() * 4
+
+    def logits(self, x: torch.Tensor, full) -> torch.Tensor:
+        """x [M, K]: the head's input (after the final norm). -> fp32 [M, V]: the exact logit at
+        every candidate column, -inf elsewhere (argmax only: module doc). full(rows) -> the full
+        head's logits of those rows, for rows the screen cannot decide."""
+        a = screen_qgemm(x, self.qhead)  # [M, V]
+        xn, dxn = act_residual(x, round_bf16=self.pairs)
+        cand, count = screen_candidates(a, self.ab, xn, dxn, CAP, round_out=x.dtype == torch.bfloat16)
+        vals = exact_columns(x, self.head, cand, count)
+        out = a.fill_(-math.inf)  # reuse a's memory
+        ok = (count > 0) & (count <= CAP)
+        n = count.clamp(0, CAP) * ok
+        keep = torch.arange(CAP)[None] < n[:, None]  # [M, CAP]
+        rows = torch.arange(x.shape[0])[:, None].expand_as(keep)
+        out[rows[keep], cand[keep].long()] = vals[keep]
+        bad = (~ok).nonzero().flatten()
+        if len(bad):
+            out[bad] = full(bad)
+        self.rows += x.shape[0]
+        self.candidates += int(n.sum())
+        self.full_rows += len(bad)
+        return out
+
+
+_lock = threading.Lock()
+
+
+def screened_head(runtime) -> ScreenedHead | None:
+    """The runtime's screened head, made on first use (None where it does not apply: no kernels,
+    a soft-capped head, a head under MIN_WEIGHTS, non-finite weights, or SELFSPEC_EXACT_HEAD=1)."""
+    with _lock:
+        if not hasattr(runtime, "_screened"):
+            k, v = runtime.head.shape
+            ok = (runtime.uses_kernels and not runtime.spec.final_logit_softcap and k * v >= MIN_WEIGHTS
+                  and os.environ.get("SELFSPEC_EXACT_HEAD") != "1")
+            runtime._screened = ScreenedHead.make(runtime.head) if ok else None
+        return runtime._screened

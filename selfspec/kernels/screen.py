@@ -1,0 +1,105 @@
+"""csrc/screen.c and quant.c's selfspec_act_residual: the pieces of the int8-screened exact
+greedy head (selfspec/greedy_head.py explains the bound)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from selfspec.kernels import build
+from selfspec.kernels.weights import PackedWeight, QuantizedWeight
+
+
+def _dll():
+    if not build.available():
+        raise RuntimeError(f"the kernels are not available ({build.load_error() or 'disabled'})")
+    return build._blocks["dll"]
+
+
+def screen_qgemm(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """The screen's values a = x @ w for the int8 copy w, fp32 [M, N] whatever x's dtype
+    (csrc/screen.c: quant.c's int8 matmul)."""
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], w.out_features, dtype=torch.float32)
+    rc = _dll().selfspec_screen_qgemm(x.shape[0], x.data_ptr(), x.dtype == torch.bfloat16, ctypes.addressof(w.desc), y.data_ptr(),
+                                      torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"kernels.screen_qgemm: returned {rc}")
+    return y
+
+
+def quant_block() -> int:
+    """The screen's activation block (k per int8 block)."""
+    return 32  # csrc/screen.c SQB
+
+
+def act_residual(x: torch.Tensor, round_bf16: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (bf16/fp32) -> (||x'||, ||x' - xhat||) per row, float64 [M] (x' = x, or x rounded
+    to bf16; xhat the activations screen_qgemm multiplies)."""
+    x = x.contiguous()
+    m, k = x.shape
+    xn, dxn = torch.empty(m, dtype=torch.float64), torch.empty(m, dtype=torch.float64)
+    rc = _dll().selfspec_act_residual(m, k, x.data_ptr(), x.dtype == torch.bfloat16, int(round_bf16),
+                                                   xn.data_ptr(), dxn.data_ptr())
+    if rc:
+        raise RuntimeError(f"kernels.act_residual: returned {rc}")
+    return xn, dxn
+
+
+def screen_candidates(a: torch.Tensor, ab: torch.Tensor, xn: torch.Tensor, dxn: torch.Tensor, cap: int,
+                      round_out: bool, threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """a [M, V] fp32, ab [2, V] fp32 (alpha, beta), xn / dxn float64 [M] -> (cand int32 [M, cap],
+    count int64 [M]): count > cap means too many candidates, -1 a row that cannot be screened.
+    round_out: the head's logits are rounded to bf16 (its input is bf16)."""
+    a, ab = a.contiguous(), ab.contiguous()
+    m, v = a.shape
+    cand = torch.empty(m, cap, dtype=torch.int32)
+    count = torch.empty(m, dtype=torch.int64)
+    nt = torch.get_num_threads() if threads is None else threads
+    rc = _dll().selfspec_screen_candidates(m, v, a.data_ptr(), ab.data_ptr(), xn.data_ptr(), dxn.data_ptr(),
+                                                        int(round_out), cand.data_ptr(), cap, count.data_ptr(), nt)
+    if rc:
+        raise RuntimeError(f"kernels.screen_candidates: returned {rc}")
+    return cand, count
+
+
+def exact_columns(x: torch.Tensor, w: PackedWeight | torch.Tensor, cand: torch.Tensor, count: torch.Tensor,
+                  threads: int | None = None) -> torch.Tensor:
+    """The logits matmul(x, w).float() has at the candidate columns, bit for bit: x [M, K]
+    (bf16/fp32; bf16 x gives bf16-rounded values, as matmul does), w the head (plain [K, N] or
+    packed), cand/count from screen_candidates -> fp32 [M, cap] (entries past a row's count, or
+    of rows not screened, undefined)."""
+    xf = x.float().contiguous()
+    m, k = xf.shape
+    packed = isinstance(w, PackedWeight)
+    data = (w.data if packed else w).contiguous()
+    layout = 2 if packed and w.pairs else int(packed)
+    n = w.shape[1]
+    cap = cand.shape[1]
+    out = torch.empty(m, cap, dtype=torch.float32)
+    nt = torch.get_num_threads() if threads is None else threads
+    rc = _dll().selfspec_exact_columns(m, k, n, xf.data_ptr(), data.data_ptr(), data.dtype == torch.bfloat16,
+                                                    layout, int(x.dtype == torch.bfloat16), cand.data_ptr(), count.data_ptr(), cap, out.data_ptr(), nt)
+    if rc:
+        raise RuntimeError(f"kernels.exact_columns: returned {rc}")
+    return out
+
+
+def screen_quantize(w: PackedWeight | torch.Tensor, g_k: float, g_b: float) -> tuple[QuantizedWeight, torch.Tensor] | None:
+    """The screen's int8 copy of a head w [K, N] (plain or packed, bf16/fp32) with its bound
+    coefficients ab [2, N] (csrc/screen.c selfspec_screen_quantize); None if a weight is not
+    finite."""
+    packed = isinstance(w, PackedWeight)
+    data = (w.data if packed else w).contiguous()
+    layout = 2 if packed and w.pairs else int(packed)
+    k, n = w.shape
+    q = torch.empty((n + 63) // 64, (k + 3) // 4, 64, 4, dtype=torch.uint8)
+    scale, ab = torch.empty(n, dtype=torch.float32), torch.empty(2, n, dtype=torch.float32)
+    rc = _dll().selfspec_screen_quantize(k, n, data.data_ptr(), data.dtype == torch.bfloat16, layout, g_k, g_b,
+                                                      q.data_ptr(), scale.data_ptr(), ab.data_ptr(), torch.get_num_threads())
+    if rc == 3:
+        return None
+    if rc:
+        raise RuntimeError(f"kernels.screen_quantize: returned {rc}")
+    return QuantizedWeight(q, scale, None, k, n, bits=8), ab
