@@ -248,3 +248,14 @@ def test_a_tie_made_by_bf16_rounding_goes_to_the_first_index(layout):
     sh = ScreenedHead.make(head)
     out = sh.logits(x, lambda rows: _full(x[rows], head))
     assert out.argmax(-1).tolist() == [3, 3]
+
+
+def test_greedy_costs_use_the_argmax_only_head():
+    from selfspec.predictor.costs import CostModel
+
+    rows = (1, 2, 3, 5, 9, 17)
+    full = CostModel(4, {r: 1.0 for r in rows}, {r: 1.0 for r in rows}, {r: 6.0 for r in rows})
+    assert full.greedy() is full  # nothing measured for it: the same costs
+    both = CostModel(4, {r: 1.0 for r in rows}, {r: 1.0 for r in rows}, {r: 6.0 for r in rows}, head_greedy={r: 3.0 for r in rows})
+    assert both.greedy().ar_step == both.ar_step - 3.0 and both.greedy().verify(6) == both.verify(6) - 3.0
+    assert CostModel.from_dict(both.to_dict()).head_greedy == both.head_greedy
