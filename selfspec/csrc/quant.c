@@ -112,6 +112,11 @@ static void q_act_row(const void *x, int x_bf16, long row, long K, int8_t *xq, f
     }
 }
 
+/* q_act_row for other files (csrc/screen.c's residual needs the very xq and sx qgemm multiplies) */
+void selfspec_q_act_row(const void *x, int x_bf16, long row, long K, int8_t *xq, float *sx, int32_t *xs) {
+    q_act_row(x, x_bf16, row, K, xq, sx, xs);
+}
+
 /* q_act_row 16 k at a time, the same operations lane by lane (max never taking a NaN, one
  * IEEE division, round half to even, the clamp sending NaN to -127): the same bits. */
 static void q_act_row_v(const void *x, int x_bf16, long row, long K, int8_t *xq, float *sx, int32_t *xs) {

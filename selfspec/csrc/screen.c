@@ -48,14 +48,12 @@ static inline uint16_t sc_f32_to_bf16(float f) {  /* gemm.c's f32_to_bf16 */
 
 /* ---- the screen's int8 values a[v] ------------------------------------------------------
  * a is quant.c's int8 matmul (selfspec_qgemm): activations quantized per row in blocks of
- * SQB = QB = 32 k (sx = amax / 127, xq = clamp(rne(x / sx), -127, 127): q_act_row, repeated
- * here as sc_act_row for the residual), a = (sum over blocks b in order of
+ * QB = 32 k (sx = amax / 127, xq = clamp(rne(x / sx), -127, 127): quant.c's q_act_row, which
+ * the residual below calls too), a = (sum over blocks b in order of
  * fmaf(sx_b, (float)acc_b, y)) * s[n] with acc_b the exact int32 sum of xq * q. (7-bit
  * activations would let AVX2's vpmaddubsw take the stored bytes unsigned, 3 instructions per
  * 32 products instead of 5, but they doubled dxn and gave ~10x the candidates on Gemma 3 270M,
  * whose final hidden states have outlier dimensions: measured, not kept.) */
-#define SQB 32
-#define SCREEN_QMAX 127
 
 typedef struct {  /* quant.c's ss_qweight, the same layout */
     const void *q, *scale, *zero;
@@ -69,49 +67,26 @@ static inline float sc_load_x(const void *x, int x_bf16, long i) {
     return x_bf16 ? sc_bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
 }
 
-static void sc_act_row(const void *x, int x_bf16, long row, long K, int8_t *xq, float *sx, int32_t *xs) {
-    long nblk = (K + SQB - 1) / SQB;
-    for (long b = 0; b < nblk; b++) {
-        long k0 = b * SQB, k1 = k0 + SQB < K ? k0 + SQB : K;
-        float amax = 0.0f;
-        for (long k = k0; k < k1; k++) {
-            float v = fabsf(sc_load_x(x, x_bf16, row * K + k));
-            amax = v > amax ? v : amax;  /* NaN never wins */
-        }
-        float s = amax / (float)SCREEN_QMAX;
-        int32_t sum = 0;
-        for (long k = k0; k < k0 + SQB; k++) {
-            int v = 0;
-            if (k < k1 && s != 0.0f) {
-                float r = nearbyintf(sc_load_x(x, x_bf16, row * K + k) / s);
-                r = fminf(fmaxf(r, -(float)SCREEN_QMAX), (float)SCREEN_QMAX);  /* NaN -> -QMAX */
-                v = (int)r;
-            }
-            xq[k] = (int8_t)v;
-            sum += v;
-        }
-        sx[b] = s;
-        xs[b] = sum;
-    }
-}
+void selfspec_q_act_row(const void *x, int x_bf16, long row, long K, int8_t *xq, float *sx, int32_t *xs);  /* quant.c */
+int selfspec_quant_block(void);  /* quant.c: QB */
 
 /* Per row, in double: xn = ||x'|| (x' = x as fp32, or rounded to bf16 first: the pair chain's
  * inputs) and dxn = ||x' - xhat||, xhat[k] = sx_b xq[k] (exact in double), the activations the
  * screen's matmul multiplies. */
 int selfspec_act_residual(long M, long K, const void *x, int x_bf16, int round_bf16, double *xn, double *dxn) {
     if (M <= 0 || K <= 0) return 0;
-    const long nblk = (K + SQB - 1) / SQB;
-    int8_t *xq = (int8_t *)malloc((size_t)nblk * SQB);
+    const long qb = selfspec_quant_block(), nblk = (K + qb - 1) / qb;
+    int8_t *xq = (int8_t *)malloc((size_t)nblk * qb);
     float *sx = (float *)malloc(sizeof(float) * nblk);
     int32_t *xs = (int32_t *)malloc(sizeof(int32_t) * nblk);
     if (!xq || !sx || !xs) { free(xq); free(sx); free(xs); return 1; }
     for (long m = 0; m < M; m++) {
-        sc_act_row(x, x_bf16, m, K, xq, sx, xs);
+        selfspec_q_act_row(x, x_bf16, m, K, xq, sx, xs);
         double n2 = 0.0, d2 = 0.0;
         for (long k = 0; k < K; k++) {
             float v = sc_load_x(x, x_bf16, m * K + k);
             if (round_bf16) v = sc_bf16_to_f32(sc_f32_to_bf16(v));
-            double d = (double)v - (double)sx[k / SQB] * (double)xq[k];
+            double d = (double)v - (double)sx[k / qb] * (double)xq[k];
             n2 += (double)v * (double)v;
             d2 += d * d;
         }

@@ -30,8 +30,8 @@ def screen_qgemm(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
 
 
 def quant_block() -> int:
-    """The screen's activation block (k per int8 block)."""
-    return 32  # csrc/screen.c SQB
+    """quant.c's activation block QB (k per int8 block of the screen's matmul)."""
+    return int(_dll().selfspec_quant_block())
 
 
 def act_residual(x: torch.Tensor, round_bf16: bool) -> tuple[torch.Tensor, torch.Tensor]:
