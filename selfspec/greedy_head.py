@@ -88,11 +88,15 @@ class ScreenedHead:
 
 
 _lock = threading.Lock()
+_UNMADE = object()
 
 
 def screened_head(runtime) -> ScreenedHead | None:
     """The runtime's screened head, made on first use (None where it does not apply: no kernels,
     a soft-capped head, a head under MIN_WEIGHTS, non-finite weights, or SELFSPEC_EXACT_HEAD=1)."""
+    made = getattr(runtime, "_screened", _UNMADE)  # every greedy head call asks: no lock once made
+    if made is not _UNMADE:
+        return made
     with _lock:
         if not hasattr(runtime, "_screened"):
             k, v = runtime.head.shape
