@@ -377,6 +377,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not (1 <= args.clients <= 64 and 1 <= args.requests <= 1000 and 1 <= args.prompts <= len(PROMPTS)):
         ap.error("--clients must be in 1..64, --requests in 1..1000, --prompts in 1..%d" % len(PROMPTS))
+    try:
+        hf_counts = [int(c) for c in args.hf_clients.split(",") if c.strip()]
+    except ValueError:
+        hf_counts = [0]
+    if any(not 1 <= c <= 64 for c in hf_counts):
+        ap.error(f"--hf-clients must be request counts in 1..64, comma-separated, or '' for none (got {args.hf_clients!r})")
     if args.sweep:
         args.dtype = args.dtype or "bfloat16"
         args.max_tokens = 128 if args.max_tokens == 64 else args.max_tokens

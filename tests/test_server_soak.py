@@ -45,3 +45,14 @@ def test_short_soak(tmp_path):
     assert all(kinds[k] > 0 for k in ("stream", "leave", "malformed", "bad_key")), kinds
     # the statuses /health counted (warm-up round included) are the ones the clients could see
     assert set(report["health_outcomes"]) <= {"200", "400", "401", "413", "499"}, report["health_outcomes"]
+
+
+@pytest.mark.parametrize("counts", ["0", "a,1", "1,100"])
+def test_server_load_rejects_bad_hf_clients(counts):
+    """benchmarks/server_load.py: a request count outside 1..64 is a usage error (exit 2), not a
+    division by zero after minutes of measuring."""
+    import subprocess
+    bench = BENCH.parent / "server_load.py"
+    r = subprocess.run([sys.executable, str(bench), "--sweep", "--hf-clients", counts], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "--hf-clients must be request counts" in r.stderr and "Traceback" not in r.stderr
