@@ -349,6 +349,16 @@ static inline __attribute__((always_inline)) void tile_q8(
                     }
                     continue;
                 }
+                if (j0 == 0) {  /* the next block's k-row (256 bytes: 4 lines) while this block's
+                                 * passes run, so memory streams under the several-row compute
+                                 * (the passes read each row in 64-byte strides the hardware
+                                 * prefetcher follows late: 2-8 rows 13-30% faster on Zen 3) */
+                    const char *pf = (const char *)(wt + (k4 + QB / 4) * (QT * 4));
+                    _mm_prefetch(pf, _MM_HINT_T0);
+                    _mm_prefetch(pf + 64, _MM_HINT_T0);
+                    _mm_prefetch(pf + 128, _MM_HINT_T0);
+                    _mm_prefetch(pf + 192, _MM_HINT_T0);
+                }
                 __m256i q[8];
                 _Pragma("GCC unroll 16")
                 for (int j = 0; j < J; j++) q[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wk + 32 * j)), flip);
@@ -392,6 +402,13 @@ static inline __attribute__((always_inline)) void tile_q4(
                 for (int j = 0; j < J; j++) acc[r][j] = _mm256_setzero_si256();
             for (long k8 = k80; k8 < k81; k8++) {
                 const uint8_t *wk = wt + k8 * (QT * 4) + 32 * j0;
+                if (j0 == 0) {  /* as tile_q8: the next block's k-row while this block's passes run */
+                    const char *pf = (const char *)(wt + (k8 + QB / 8) * (QT * 4));
+                    _mm_prefetch(pf, _MM_HINT_T0);
+                    _mm_prefetch(pf + 64, _MM_HINT_T0);
+                    _mm_prefetch(pf + 128, _MM_HINT_T0);
+                    _mm_prefetch(pf + 192, _MM_HINT_T0);
+                }
                 __m256i lo[8], hi[8];
                 _Pragma("GCC unroll 16")
                 for (int j = 0; j < J; j++) {
