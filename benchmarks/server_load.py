@@ -194,7 +194,7 @@ def hf_sweep(args, model) -> list[dict]:
 
     from common import hf_batch, hf_model
 
-    counts = [int(c) for c in args.hf_clients.split(",") if c]
+    counts = args.hf_clients  # checked and parsed by main()
     if not counts or args.tiny:
         return []
     hf = hf_model(torch.bfloat16 if args.dtype == "bfloat16" else torch.float32)
@@ -377,12 +377,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not (1 <= args.clients <= 64 and 1 <= args.requests <= 1000 and 1 <= args.prompts <= len(PROMPTS)):
         ap.error("--clients must be in 1..64, --requests in 1..1000, --prompts in 1..%d" % len(PROMPTS))
+    raw = args.hf_clients
     try:
-        hf_counts = [int(c) for c in args.hf_clients.split(",") if c.strip()]
+        args.hf_clients = [int(c) for c in raw.split(",") if c.strip()]  # parsed once, here
     except ValueError:
-        hf_counts = [0]
-    if any(not 1 <= c <= 64 for c in hf_counts):
-        ap.error(f"--hf-clients must be request counts in 1..64, comma-separated, or '' for none (got {args.hf_clients!r})")
+        args.hf_clients = None
+    if args.hf_clients is None or any(not 1 <= c <= 64 for c in args.hf_clients):
+        ap.error(f"--hf-clients must be request counts in 1..64, comma-separated, or '' for none (got {raw!r})")
     if args.sweep:
         args.dtype = args.dtype or "bfloat16"
         args.max_tokens = 128 if args.max_tokens == 64 else args.max_tokens
