@@ -11,6 +11,8 @@ import hashlib
 import json
 import logging
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, fields
 
 import torch
@@ -114,6 +116,14 @@ class SelfSpecModel:
         self._chat_template_arg: str | None = None  # what apply_chat_template gets (None: the tokenizer's own)
         self._chat_note: str | None = None  # said once, at the first chat prompt
         self.set_chat_template(chat_template)
+
+    @contextmanager
+    def computing(self) -> Iterator[None]:
+        """The model to this thread for a generation, a batch or a step: its lock (one at a
+        time: the kernels already use every core), and on the CPU kernels their compute scope
+        (kernels/pool.py: torch's own threads kept off the kernels' cores)."""
+        with self._lock, self.runtime.compute_scope():
+            yield
 
     # ---- chat ---------------------------------------------------------------------------
 
@@ -263,7 +273,7 @@ class SelfSpecModel:
         sampling = SamplingConfig(temperature=float(temperature), top_k=top_k, top_p=top_p, seed=seed)
         ids = self.encode(prompt, chat)
         gen = self._within_context(gen, ids)
-        with self._lock:  # one generation at a time (class doc)
+        with self.computing():  # one generation at a time (class doc)
             drafter = self.drafter(cfg)
             return generate(self.runtime, drafter, ids, gen, sampling, self.tokenizer, self.eos_token_ids, on_event)
 
@@ -313,7 +323,7 @@ class SelfSpecModel:
             sampling = SamplingConfig(temperature=float(temperature), top_k=top_k, top_p=top_p, seed=s)
             cb = None if on_event is None else (lambda e, i=i: on_event(i, e))
             requests.append(BatchRequest(ids, g, sampling, cfg, cb))
-        with self._lock:  # the kernels already use every core: one batch (or generation) at a time
+        with self.computing():  # one batch (or generation) at a time
             engine = BatchEngine(self, max_batch=max_batch, prefill_chunk=prefill_chunk)
             handles = [engine.submit(r) for r in requests]
             engine.run()

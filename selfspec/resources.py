@@ -188,8 +188,9 @@ class DraftResources:
                 ident = self._cost_identity(heads, bits)
                 costs = load_costs(ident)
                 if costs is None:
-                    costs = CostModel.measure(self.runtime, {head_key(*h): self.draft_head(*h)[1] for h in heads},
-                                              {b: self.quantized(b) for b in bits})
+                    with self.runtime.compute_scope():  # timed as generations run them
+                        costs = CostModel.measure(self.runtime, {head_key(*h): self.draft_head(*h)[1] for h in heads},
+                                                  {b: self.quantized(b) for b in bits})
                     save_costs(ident, costs)
                 self._costs[key] = costs
             return self._costs[key]
@@ -197,7 +198,7 @@ class DraftResources:
     def _cost_identity(self, heads, bits) -> dict:
         rt = self.runtime
         return {"model": self.fingerprint, "dtype": str(rt.dtype), "device": str(rt.device),
-                "kernels": kernels.build_id() if rt.uses_kernels else False, "threads": torch.get_num_threads(),
+                "kernels": kernels.build_id() if rt.uses_kernels else False, "threads": kernels.threads(),
                 "torch": torch.__version__, "machine": platform.machine(), "cpu": platform.processor(),
                 "draft_heads": [head_key(*h) for h in heads], "quantized": list(bits)}
 

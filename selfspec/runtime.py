@@ -30,6 +30,7 @@ On such a CPU a warning says once that exact losslessness then depends on the BL
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
@@ -147,10 +148,15 @@ class Runtime:
                 activation=s.activation, qk_norm=s.qk_norm, sandwich=s.sandwich_norms, layers=self.layers, dtype=dtype)
         self._ensure_rope(1)  # the rotary tables (and the transformers modules they come from) at load, not at the first prompt
 
+    def compute_scope(self):
+        """kernels.compute_scope() where this runtime runs on the kernels (torch's threads kept
+        off their cores for the scope: kernels/pool.py); nothing on the torch path."""
+        return kernels.compute_scope() if self.uses_kernels else contextlib.nullcontext()
+
     def warm_up(self) -> None:
         """One short pass, so that a process's first prompt does not pay one-time costs (the
         OpenMP thread team, first touches of the kernels' code and buffers)."""
-        with torch.inference_mode():
+        with torch.inference_mode(), self.compute_scope():
             ids = torch.zeros(2, dtype=torch.long, device=self.device)
             cache = self.new_cache(4)
             self.forward(ids, 0, cache)
@@ -334,7 +340,7 @@ class Runtime:
             h = h.contiguous().clone()  # updated in place below; callers keep their input
             T, kinds = h.shape[0], self.spec.rope_kinds
             rope = {k: (c[pos : pos + T], s[pos : pos + T]) for k, (c, s) in self._rope.items()}  # rows of these positions
-            threads = torch.get_num_threads()
+            threads = kernels.threads()
         else:
             masks = self.masks(pos, h.shape[0], cache)
         windows = self.spec.sliding_windows
@@ -374,7 +380,7 @@ class Runtime:
                 r0 += rows
             return torch.cat(parts) if parts else h
         h = h.contiguous().clone()
-        kinds, windows, threads = self.spec.rope_kinds, self.spec.sliding_windows, torch.get_num_threads()
+        kinds, windows, threads = self.spec.rope_kinds, self.spec.sliding_windows, kernels.threads()
         idx = torch.tensor(segs.positions(), dtype=torch.long)
         rope = {k: (c.index_select(0, idx), s.index_select(0, idx)) for k, (c, s) in self._rope.items()}  # [T, D] per row
         for i in range(start, end):

@@ -10,7 +10,7 @@
   compare speculative decoding with itself. References use helpers.ar_generate.
 
 Torch runs single-threaded here: the tiny models are far too small to gain from threads,
-and on a busy 2-core CI box OpenMP's spinning makes multi-threaded tiny matmuls ~100x
+and on a busy 2-core CI box spinning thread pools make multi-threaded tiny matmuls ~100x
 slower. SELFSPEC_TEST_THREADS overrides it (the real-model tests use it too).
 """
 

@@ -275,3 +275,76 @@ def test_avx2_code_gives_the_avx512_bits(tmp_path, monkeypatch, dtype):
         assert alt.selfspec_mlp_block(fb._dims_ptr, fb._layer_ptrs[i], b.data_ptr(), 9, 2) == 0
         assert torch.equal(a, b), i
 
+
+
+# ---- the kernels' thread pool (csrc/pool.c, kernels/pool.py) --------------------------------
+
+@needs_kernels
+def test_concurrent_callers_get_the_solo_bits():
+    """Threads calling the kernels at once share one pool: one runs its region on the team, the
+    others inline (csrc/pool.c). Every caller must still get exactly the bits of a solo call,
+    for the bf16/fp32 gemm, the int8/int4 matmuls and a multi-row (several-region) call."""
+    import threading
+
+    from selfspec import quant
+    cases = []
+    for i, (k, n) in enumerate([(640, 1536), (130, 67), (1024, 640)]):
+        x, w = _operands(k, n, torch.bfloat16, torch.bfloat16, m=7, seed=i)
+        cases.append((x, kernels.pack(w)))
+        cases.append((x.float(), quant.quantize(w.float(), 8)))
+        cases.append((x.float(), quant.quantize(w.float(), 4)))
+    want = [kernels.matmul(x, w, num_threads=2) for x, w in cases]
+    errors: list[str] = []
+
+    def worker(seed: int) -> None:
+        for r in range(40):
+            j = (seed + r) % len(cases)
+            x, w = cases[j]
+            got = kernels.matmul(x, w, num_threads=2 + (r % 3))
+            if not torch.equal(got, want[j]):
+                errors.append(f"thread {seed} call {r} case {j}")
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:5]
+
+
+@needs_kernels
+def test_compute_scope_gives_torch_one_thread_and_the_kernels_the_rest():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        with kernels.compute_scope() as n:
+            assert n == 3 and kernels.threads() == 3 and torch.get_num_threads() == 1
+            with kernels.compute_scope() as inner:  # re-entrant: the outer count stays
+                assert inner == 3 and torch.get_num_threads() == 1
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 3 and kernels.threads() == 3
+        with pytest.raises(ValueError):
+            with kernels.compute_scope():
+                raise ValueError("a failure inside the scope")
+        assert torch.get_num_threads() == 3 and kernels.threads() == 3
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernels
+def test_a_forked_child_runs_the_kernels():
+    """pool.c's workers do not survive fork; the child must make its own instead of waiting
+    forever for the parent's (a hang here is the failure)."""
+    import multiprocessing as mp
+
+    x, w = _operands(640, 1536, torch.bfloat16, torch.bfloat16, m=3)
+    packed = kernels.pack(w)
+    want = kernels.matmul(x, packed, num_threads=2)  # the parent's workers exist now
+    ctx = mp.get_context("fork")
+    with ctx.Pool(1) as p:
+        got = p.apply_async(_child_matmul, (x, packed)).get(timeout=120)
+    assert torch.equal(got, want)
+
+
+def _child_matmul(x, w):
+    return kernels.matmul(x, w, num_threads=2)

@@ -23,9 +23,7 @@
 #include <string.h>
 #include <stdlib.h>
 #include <math.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "pool.h"
 
 int selfspec_gemm(long M, long K, long N, const void *x, int x_bf16, const void *w, int w_bf16,
                   int packed, void *y, int y_bf16, int nthreads);
@@ -189,102 +187,107 @@ static inline __attribute__((always_inline)) void score_rows(
     _Pragma("GCC unroll 8")
     for (int r = 0; r < RC; r++) vf_mask_storeu(out[r], mk, vf_mul(acc[r], vf_set1(scale)));
 }
-static inline __attribute__((always_inline)) int attend_rows_impl(
-    const float *qkv, long W, float *att, long Q, long t0, long t1, long pos, long window,
-    const void *kt, const void *vc, long cap, long D, long nh, long nkv, float scale, int nt, const int f32) {
-    const long g = nh / nkv, nt_rows = t1 - t0, R = nt_rows * nh;
+typedef struct {
+    const float *qkv;
+    long W;
+    float *att;
+    long Q, t0, t1, pos, window;
+    const void *kt, *vc;
+    long cap, D, nh, nkv;
+    float scale;
+    float *sc, *zs;  /* scores [R][ld], Z [R] */
+    long lo0, p_hi, nblk, ld;
+} attend_job;
+
+static inline __attribute__((always_inline)) void attend_region_impl(const attend_job *job, int tid, int nt, const int f32) {
+    const float *qkv = job->qkv;
+    float *att = job->att, *sc = job->sc, *zs = job->zs;
+    const void *kt = job->kt, *vc = job->vc;
+    const long W = job->W, Q = job->Q, t0 = job->t0, pos = job->pos, window = job->window, cap = job->cap, D = job->D, nh = job->nh, nkv = job->nkv;
+    const long g = nh / nkv, nt_rows = job->t1 - t0, R = nt_rows * nh, lo0 = job->lo0, p_hi = job->p_hi, nblk = job->nblk, ld = job->ld;
+    const float scale = job->scale;
+    long lo_, hi_;
+    ss_share(nkv * nblk, tid, nt, &lo_, &hi_);
+    for (long item = lo_; item < hi_; item++) {
+        long kvh = item / nblk, b = item % nblk, j0 = lo0 + 16 * b;
+        m16 mk = lanes16(p_hi + 1 - j0);
+        const long kp = kvh * D * cap + j0;  /* element offset of this block's first key, d = 0 */
+        long nrows = nt_rows * g;  /* rows of this kv head: (t, a) with a in kvh*g .. kvh*g+g-1 */
+        for (long r0 = 0; r0 < nrows; r0 += ROWS_PER_PASS) {
+            int rc = nrows - r0 < ROWS_PER_PASS ? (int)(nrows - r0) : ROWS_PER_PASS;
+            const float *qp[ROWS_PER_PASS];
+            float *out[ROWS_PER_PASS];
+            for (int r = 0; r < rc; r++) {
+                long t = (r0 + r) / g, a = kvh * g + (r0 + r) % g;
+                qp[r] = qkv + (t0 + t) * W + a * D;
+                out[r] = sc + (t * nh + a) * ld + 16 * b;
+            }
+            switch (rc) {  /* a constant row count per copy: the accumulators stay in registers */
+            case 8: score_rows(8, qp, kt, kp, cap, D, mk, scale, out, f32); break;
+            case 7: score_rows(7, qp, kt, kp, cap, D, mk, scale, out, f32); break;
+            case 6: score_rows(6, qp, kt, kp, cap, D, mk, scale, out, f32); break;
+            case 5: score_rows(5, qp, kt, kp, cap, D, mk, scale, out, f32); break;
+            case 4: score_rows(4, qp, kt, kp, cap, D, mk, scale, out, f32); break;
+            case 3: score_rows(3, qp, kt, kp, cap, D, mk, scale, out, f32); break;
+            case 2: score_rows(2, qp, kt, kp, cap, D, mk, scale, out, f32); break;
+            default: score_rows(1, qp, kt, kp, cap, D, mk, scale, out, f32); break;
+            }
+        }
+    }
+    ss_barrier();
+    ss_share(R, tid, nt, &lo_, &hi_);
+    for (long r = lo_; r < hi_; r++) {
+        long t = r / nh, p = pos + t0 + t;
+        long lo = first_key(p, window);
+        float *s = sc + r * ld + (lo - lo0);
+        long n = p - lo + 1;
+        float m = -INFINITY, z = 0.0f;
+        for (long j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
+        for (long j = 0; j < n; j++) { s[j] = expf(s[j] - m); z += s[j]; }
+        zs[r] = z;
+    }
+    ss_barrier();
+    long nd = (D + 63) / 64;
+    ss_share(R * nd, tid, nt, &lo_, &hi_);
+    for (long item = lo_; item < hi_; item++) {
+        long r = item / nd, d0 = 64 * (item % nd);
+        long t = r / nh, a = r % nh, kvh = a / g, p = pos + t0 + t;
+        long lo = first_key(p, window);
+        const float *s = sc + r * ld + (lo - lo0);
+        long n = p - lo + 1, dl = D - d0 < 64 ? D - d0 : 64;
+        m16 mk[4];
+        for (int c = 0; c < 4; c++) mk[c] = lanes16(dl - 16 * c);
+        vf16 acc4[4] = {vf_zero(), vf_zero(), vf_zero(), vf_zero()};
+        const long vb = kvh * cap * D + lo * D + d0;  /* element offset of key lo's slice */
+        for (long j = 0; j < n; j++) {
+            vf16 e = vf_set1(s[j]);
+            for (int c = 0; c < 4; c++) {
+                vf16 vv = load16(vc, vb + j * D + 16 * c, mk[c], f32);
+                acc4[c] = vf_fmadd(e, vv, acc4[c]);
+            }
+        }
+        vf16 zz = vf_set1(zs[r]);
+        float *out = att + (t0 + t) * Q + a * D + d0;
+        for (int c = 0; c < 4; c++) vf_mask_storeu(out + 16 * c, mk[c], vf_div(acc4[c], zz));
+    }
+}
+
+static void attend_region_bf16(void *ctx, int tid, int nt) { attend_region_impl((const attend_job *)ctx, tid, nt, 0); }
+static void attend_region_f32(void *ctx, int tid, int nt) { attend_region_impl((const attend_job *)ctx, tid, nt, 1); }
+
+static int attend_rows(const float *qkv, long W, float *att, long Q, long t0, long t1, long pos, long window,
+                       const void *kt, const void *vc, long cap, long D, long nh, long nkv, float scale, int nt, int f32) {
+    const long R = (t1 - t0) * nh;
     long p_hi = pos + t1 - 1;
     long lo0 = first_key(pos + t0, window);  /* the smallest first key of these rows */
     long span = p_hi - lo0 + 1, nblk = (span + 15) / 16;
     float *sc = malloc(sizeof(float) * (R * (nblk * 16) + R));
     if (!sc) return 1;
-    float *zs = sc + R * nblk * 16;
-    long ld = nblk * 16;
-    (void)nt;
-#ifdef _OPENMP
-#pragma omp parallel num_threads(nt)
-#endif
-    {
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-        for (long item = 0; item < nkv * nblk; item++) {
-            long kvh = item / nblk, b = item % nblk, j0 = lo0 + 16 * b;
-            m16 mk = lanes16(p_hi + 1 - j0);
-            const long kp = kvh * D * cap + j0;  /* element offset of this block's first key, d = 0 */
-            long nrows = nt_rows * g;  /* rows of this kv head: (t, a) with a in kvh*g .. kvh*g+g-1 */
-            for (long r0 = 0; r0 < nrows; r0 += ROWS_PER_PASS) {
-                int rc = nrows - r0 < ROWS_PER_PASS ? (int)(nrows - r0) : ROWS_PER_PASS;
-                const float *qp[ROWS_PER_PASS];
-                float *out[ROWS_PER_PASS];
-                for (int r = 0; r < rc; r++) {
-                    long t = (r0 + r) / g, a = kvh * g + (r0 + r) % g;
-                    qp[r] = qkv + (t0 + t) * W + a * D;
-                    out[r] = sc + (t * nh + a) * ld + 16 * b;
-                }
-                switch (rc) {  /* a constant row count per copy: the accumulators stay in registers */
-                case 8: score_rows(8, qp, kt, kp, cap, D, mk, scale, out, f32); break;
-                case 7: score_rows(7, qp, kt, kp, cap, D, mk, scale, out, f32); break;
-                case 6: score_rows(6, qp, kt, kp, cap, D, mk, scale, out, f32); break;
-                case 5: score_rows(5, qp, kt, kp, cap, D, mk, scale, out, f32); break;
-                case 4: score_rows(4, qp, kt, kp, cap, D, mk, scale, out, f32); break;
-                case 3: score_rows(3, qp, kt, kp, cap, D, mk, scale, out, f32); break;
-                case 2: score_rows(2, qp, kt, kp, cap, D, mk, scale, out, f32); break;
-                default: score_rows(1, qp, kt, kp, cap, D, mk, scale, out, f32); break;
-                }
-            }
-        }
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-        for (long r = 0; r < R; r++) {
-            long t = r / nh, p = pos + t0 + t;
-            long lo = first_key(p, window);
-            float *s = sc + r * ld + (lo - lo0);
-            long n = p - lo + 1;
-            float m = -INFINITY, z = 0.0f;
-            for (long j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
-            for (long j = 0; j < n; j++) { s[j] = expf(s[j] - m); z += s[j]; }
-            zs[r] = z;
-        }
-        long nd = (D + 63) / 64;
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-        for (long item = 0; item < R * nd; item++) {
-            long r = item / nd, d0 = 64 * (item % nd);
-            long t = r / nh, a = r % nh, kvh = a / g, p = pos + t0 + t;
-            long lo = first_key(p, window);
-            const float *s = sc + r * ld + (lo - lo0);
-            long n = p - lo + 1, dl = D - d0 < 64 ? D - d0 : 64;
-            m16 mk[4];
-            for (int c = 0; c < 4; c++) mk[c] = lanes16(dl - 16 * c);
-            vf16 acc4[4] = {vf_zero(), vf_zero(), vf_zero(), vf_zero()};
-            const long vb = kvh * cap * D + lo * D + d0;  /* element offset of key lo's slice */
-            for (long j = 0; j < n; j++) {
-                vf16 e = vf_set1(s[j]);
-                for (int c = 0; c < 4; c++) {
-                    vf16 vv = load16(vc, vb + j * D + 16 * c, mk[c], f32);
-                    acc4[c] = vf_fmadd(e, vv, acc4[c]);
-                }
-            }
-            vf16 zz = vf_set1(zs[r]);
-            float *out = att + (t0 + t) * Q + a * D + d0;
-            for (int c = 0; c < 4; c++) vf_mask_storeu(out + 16 * c, mk[c], vf_div(acc4[c], zz));
-        }
-    }
+    attend_job job = {qkv, W, att, Q, t0, t1, pos, window, kt, vc, cap, D, nh, nkv, scale, sc, sc + R * nblk * 16,
+                      lo0, p_hi, nblk, nblk * 16};
+    ss_parallel(nt, f32 ? attend_region_f32 : attend_region_bf16, &job);
     free(sc);
     return 0;
-}
-
-/* one compiled copy per cache type, so the type test leaves the inner loops */
-static int attend_rows_bf16(const float *qkv, long W, float *att, long Q, long t0, long t1, long pos, long window,
-                            const void *kt, const void *vc, long cap, long D, long nh, long nkv, float scale, int nt) {
-    return attend_rows_impl(qkv, W, att, Q, t0, t1, pos, window, kt, vc, cap, D, nh, nkv, scale, nt, 0);
-}
-static int attend_rows_f32(const float *qkv, long W, float *att, long Q, long t0, long t1, long pos, long window,
-                           const void *kt, const void *vc, long cap, long D, long nh, long nkv, float scale, int nt) {
-    return attend_rows_impl(qkv, W, att, Q, t0, t1, pos, window, kt, vc, cap, D, nh, nkv, scale, nt, 1);
 }
 
 /* Several sequences in one call (continuous batching): the rows of h are the concatenation
@@ -309,10 +312,33 @@ static int attend_segment(const ss_dims *d, const float *qkv, float *att, const 
     for (long t0 = 0; t0 < s->rows && !rc; t0 += 64) {
         long t1 = s->rows - t0 < 64 ? s->rows : t0 + 64;
         double work = (double)(t1 - t0) * (double)nh * (double)(s->pos + t1) * (double)D;
-        rc = (d->f32 ? attend_rows_f32 : attend_rows_bf16)(q, W, a, Q, t0, t1, s->pos, window, kt, vc, s->cap, D, nh, nkv,
-                                                            d->attn_scale, work < 2.5e5 ? 1 : nt);
+        rc = attend_rows(q, W, a, Q, t0, t1, s->pos, window, kt, vc, s->cap, D, nh, nkv, d->attn_scale,
+                         work < 2.5e5 ? 1 : nt, d->f32);
     }
     return rc;
+}
+
+/* the small segments of a batch call, one per thread at a time (dynamic: sizes differ) */
+typedef struct {
+    const ss_dims *d;
+    const float *qkv;
+    float *att;
+    const ss_seg *segs;
+    long nseg, layer, window;
+    int nt;  /* the call's thread count: which segments fanned out on their own */
+    int bad;
+    long next;
+} segs_job;
+
+static void segs_region(void *ctx, int tid, int nt) {
+    segs_job *j = (segs_job *)ctx;
+    (void)tid; (void)nt;
+    const ss_dims *d = j->d;
+    for (long i; (i = ss_next(&j->next, 1)) < j->nseg;) {
+        const ss_seg *s = &j->segs[i];
+        if (!((double)s->rows * d->heads * (s->pos + s->rows) * d->head_dim >= 2.5e5 * j->nt))
+            if (attend_segment(d, j->qkv, j->att, s, j->layer, j->window, 1)) __atomic_store_n(&j->bad, 1, __ATOMIC_RELAXED);
+    }
 }
 
 /* seg_of[t] = the segment holding row t; rows outside every segment: -1 */
@@ -376,16 +402,9 @@ int selfspec_attn_block_batch(const ss_dims *d, const ss_layer *w, void *h, long
     }
     if (rc) goto done;
     if (nseg > 1) {
-        int bad = 0;
-#ifdef _OPENMP
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) reduction(|: bad)
-#endif
-        for (long i = 0; i < nseg; i++) {
-            const ss_seg *s = &segs[i];
-            if (!((double)s->rows * nh * (s->pos + s->rows) * D >= 2.5e5 * nt))
-                bad |= attend_segment(d, qkv, att, s, layer, window, 1);
-        }
-        if ((rc = bad)) goto done;
+        segs_job job = {d, qkv, att, segs, nseg, layer, window, nt, 0, 0};
+        ss_parallel(nt, segs_region, &job);
+        if ((rc = job.bad)) goto done;
     }
     if ((rc = selfspec_gemm(T, Q, H, att, 0, w->wo, wbf, w->wo_packed, o, 0, nthreads))) goto done;
     add_residual(h, f32, o, T, H, w->bo, d->sandwich ? w->post_attn_norm : NULL, d->eps);

@@ -26,9 +26,7 @@
 #include <string.h>
 #include <stdlib.h>
 #include <math.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "pool.h"
 
 #define NT 64  /* columns per tile: 4 zmm of 16 fp32 */
 #ifndef PF
@@ -506,15 +504,62 @@ int selfspec_has_pairs(void) {
 #endif
 }
 
-/* threads for ntiles tiles: nthreads (<= 0: OpenMP's default), at most one per tile */
+/* threads for ntiles tiles: nthreads (<= 0: the CPUs), at most one per tile */
 static int team_size(long ntiles, int nthreads) {
-    int nt = nthreads;
-#ifdef _OPENMP
-    if (nt <= 0) nt = omp_get_max_threads();
-#endif
+    int nt = ss_threads(nthreads);
     if (ntiles < nt) nt = (int)ntiles;
     return nt < 1 ? 1 : nt;
 }
+
+#ifdef __AVX512BF16__
+typedef struct {
+    long M, N, K2;
+    const uint32_t *xp;
+    const float *xe, *xo;  /* the widened-scratch path's fp32 copies, or NULL (direct tiles) */
+    const uint16_t *w;
+    void *y;
+    int y_bf16;
+    long ntiles;
+    int failed;
+} pairs_job;
+
+static void pairs_region(void *ctx, int tid, int nt) {
+    pairs_job *j = (pairs_job *)ctx;
+    const long M = j->M, N = j->N, K2 = j->K2;
+    float *accbuf = NULL;
+    unsigned int csr = _mm_getcsr();
+    if (j->xe) {
+        _mm_setcsr(csr | 0x8040u);  /* FTZ | DAZ, as VDPBF16PS */
+        accbuf = (float *)aligned_alloc(64, sizeof(float) * NT * ((M + 15) / 16 * 16));
+        if (!accbuf) __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
+    }
+    long t0, t1;
+    ss_share(j->ntiles, tid, nt, &t0, &t1);
+    for (long t = t0; t < t1; t++) {
+        long n0 = t * NT;
+        __mmask16 mk[4];
+        tile_masks(n0, N, mk);
+        const uint16_t *wt = j->w + t * K2 * 2 * NT;
+        if (j->xe) {
+            if (accbuf) tile_pairs_many(M, K2, j->xe, j->xo, wt, j->y, j->y_bf16, N, n0, mk, accbuf);
+            continue;
+        }
+        for (long m0 = 0; m0 < M; m0 += MR) {
+            const uint32_t *xr = j->xp + m0 * K2;
+            switch (M - m0 < MR ? M - m0 : MR) {
+            case 6: tile_pairs(6, K2, xr, wt, j->y, j->y_bf16, N, m0, n0, mk); break;
+            case 5: tile_pairs(5, K2, xr, wt, j->y, j->y_bf16, N, m0, n0, mk); break;
+            case 4: tile_pairs(4, K2, xr, wt, j->y, j->y_bf16, N, m0, n0, mk); break;
+            case 3: tile_pairs(3, K2, xr, wt, j->y, j->y_bf16, N, m0, n0, mk); break;
+            case 2: tile_pairs(2, K2, xr, wt, j->y, j->y_bf16, N, m0, n0, mk); break;
+            default: tile_pairs(1, K2, xr, wt, j->y, j->y_bf16, N, m0, n0, mk); break;
+            }
+        }
+    }
+    if (j->xe) _mm_setcsr(csr);
+    free(accbuf);
+}
+#endif
 
 static int gemm_pairs(long M, long K, long N, const void *x, int x_bf16, const uint16_t *w, int w_bf16,
                       void *y, int y_bf16, int nthreads) {
@@ -551,54 +596,34 @@ static int gemm_pairs(long M, long K, long N, const void *x, int x_bf16, const u
             xo[i] = bf16_to_f32((uint16_t)(xp[i] >> 16));
         }
     }
-    long ntiles = (N + NT - 1) / NT;
-    int nt = team_size(ntiles, nthreads);
-    int failed = 0;
-#ifdef _OPENMP
-#pragma omp parallel num_threads(nt)
-#endif
-    {
-    float *accbuf = NULL;
-    unsigned int csr = _mm_getcsr();
-    if (xe) {
-        _mm_setcsr(csr | 0x8040u);  /* FTZ | DAZ, as VDPBF16PS */
-        accbuf = (float *)aligned_alloc(64, sizeof(float) * NT * ((M + 15) / 16 * 16));
-        if (!accbuf) failed = 1;
-    }
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-    for (long t = 0; t < ntiles; t++) {
-        long n0 = t * NT;
-        __mmask16 mk[4];
-        tile_masks(n0, N, mk);
-        const uint16_t *wt = w + t * K2 * 2 * NT;
-        if (xe) {
-            if (accbuf) tile_pairs_many(M, K2, xe, xo, wt, y, y_bf16, N, n0, mk, accbuf);
-            continue;
-        }
-        for (long m0 = 0; m0 < M; m0 += MR) {
-            const uint32_t *xr = xp + m0 * K2;
-            switch (M - m0 < MR ? M - m0 : MR) {
-            case 6: tile_pairs(6, K2, xr, wt, y, y_bf16, N, m0, n0, mk); break;
-            case 5: tile_pairs(5, K2, xr, wt, y, y_bf16, N, m0, n0, mk); break;
-            case 4: tile_pairs(4, K2, xr, wt, y, y_bf16, N, m0, n0, mk); break;
-            case 3: tile_pairs(3, K2, xr, wt, y, y_bf16, N, m0, n0, mk); break;
-            case 2: tile_pairs(2, K2, xr, wt, y, y_bf16, N, m0, n0, mk); break;
-            default: tile_pairs(1, K2, xr, wt, y, y_bf16, N, m0, n0, mk); break;
-            }
-        }
-    }
-    if (xe) _mm_setcsr(csr);
-    free(accbuf);
-    }
+    pairs_job job = {M, N, K2, xp, xe, xo, w, y, y_bf16, (N + NT - 1) / NT, 0};
+    ss_parallel(team_size(job.ntiles, nthreads), pairs_region, &job);
     free(xe);
     if (xp != stackbuf) free(xp);
-    return failed;
+    return job.failed;
 #endif
 }
 
 int selfspec_qgemm(long M, const void *x, int x_bf16, const void *w, void *y, int y_bf16, int nthreads);
+
+typedef struct {
+    long M, K, N;
+    const float *xf;
+    const void *w;
+    int w_bf16, packed;
+    void *y;
+    int y_bf16;
+    long ntiles;
+} gemm_job;
+
+static void gemm_region(void *ctx, int tid, int nt) {
+    const gemm_job *j = (const gemm_job *)ctx;
+    float *accbuf = NULL;
+    long t0, t1;
+    ss_share(j->ntiles, tid, nt, &t0, &t1);
+    for (long t = t0; t < t1; t++) gemm_tile(j->M, j->K, j->N, j->xf, j->w, j->w_bf16, j->packed, j->y, j->y_bf16, t, &accbuf);
+    free(accbuf);
+}
 
 /* x: [M, K] (x_bf16 ? bf16 : fp32), contiguous.  y: [M, N] (y_bf16 ? bf16 : fp32).
  * w: plain (packed=0): [K, N] contiguous; packed (packed=1): [ceil(N/64), K, 64];
@@ -616,19 +641,8 @@ int selfspec_gemm(long M, long K, long N, const void *x, int x_bf16, const void 
     if (!xf) return 1;
     for (long i = 0; i < M * K; i++)
         xf[i] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
-    long ntiles = (N + NT - 1) / NT;
-    int nt = team_size(ntiles, nthreads);
-#ifdef _OPENMP
-#pragma omp parallel num_threads(nt)
-#endif
-    {
-    float *accbuf = NULL;
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-    for (long t = 0; t < ntiles; t++) gemm_tile(M, K, N, xf, w, w_bf16, packed, y, y_bf16, t, &accbuf);
-    free(accbuf);
-    }
+    gemm_job job = {M, K, N, xf, w, w_bf16, packed, y, y_bf16, (N + NT - 1) / NT};
+    ss_parallel(team_size(job.ntiles, nthreads), gemm_region, &job);
     if (xf != stackbuf) free(xf);
     return 0;
 }

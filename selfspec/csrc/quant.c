@@ -45,9 +45,7 @@
 #include <string.h>
 #include <stdlib.h>
 #include <math.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "pool.h"
 
 #define QT 64  /* columns per tile */
 #ifndef QB
@@ -470,10 +468,7 @@ static void qgemm_tile(const ss_qweight *w, long M, long nblk, long KP, const in
 }
 
 static int q_team(long ntiles, int nthreads) {
-    int nt = nthreads;
-#ifdef _OPENMP
-    if (nt <= 0) nt = omp_get_max_threads();
-#endif
+    int nt = ss_threads(nthreads);
     if (ntiles < nt) nt = (int)ntiles;
     return nt < 1 ? 1 : nt;
 }
@@ -482,6 +477,24 @@ static int q_check(const ss_qweight *w) {
     if (w->in_features <= 0 || (w->bits != 8 && w->bits != 4)) return 2;
     if (w->bits == 4 && (w->group != QG || !w->zero)) return 2;
     return 0;
+}
+
+typedef struct {
+    const ss_qweight *w;
+    long M, nblk, KP;
+    const int8_t *xq;
+    const float *sx;
+    const int32_t *xs;
+    void *y;
+    int y_bf16;
+    long ntiles;
+} qgemm_job;
+
+static void qgemm_region(void *ctx, int tid, int nt) {
+    const qgemm_job *j = (const qgemm_job *)ctx;
+    long t0, t1;
+    ss_share(j->ntiles, tid, nt, &t0, &t1);
+    for (long t = t0; t < t1; t++) qgemm_tile(j->w, j->M, j->nblk, j->KP, j->xq, j->sx, j->xs, j->y, j->y_bf16, t);
 }
 
 /* x: [M, K] (x_bf16 ? bf16 : fp32) contiguous; y: [M, N] (y_bf16 ? bf16 : fp32).
@@ -502,12 +515,8 @@ int selfspec_qgemm(long M, const void *x, int x_bf16, const void *wd, void *y, i
     int32_t *xs = (int32_t *)(buf + (size_t)M * nblk * 4);
     int8_t *xq = (int8_t *)(buf + (size_t)M * nblk * 8);
     for (long m = 0; m < M; m++) q_act_row_v(x, x_bf16, m, K, xq + m * KP, sx + m * nblk, xs + m * nblk);
-    long ntiles = (N + QT - 1) / QT;
-    int nt = q_team(ntiles, nthreads);
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(nt) schedule(static)
-#endif
-    for (long t = 0; t < ntiles; t++) qgemm_tile(w, M, nblk, KP, xq, sx, xs, y, y_bf16, t);
+    qgemm_job job = {w, M, nblk, KP, xq, sx, xs, y, y_bf16, (N + QT - 1) / QT};
+    ss_parallel(q_team(job.ntiles, nthreads), qgemm_region, &job);
     if (buf != stackbuf) free(buf);
     return 0;
 }
@@ -566,35 +575,48 @@ int selfspec_qgemm_ref(long M, const float *x, const ss_qweight *w, float *y) {
  * Only the choice of scale depends on these sums, never a token: the draft's output is
  * verified. One pass over w computes every candidate (torch needed 7 passes per candidate).
  * Threads split the columns. */
-int selfspec_quant_errors(const float *w, long K, long N, long group, const float *s, const float *z, int ncand,
-                          float lo, float hi, float *err, int nthreads) {
-    if (K <= 0 || N <= 0 || group <= 0 || ncand <= 0) return -1;
-    long G = (K + group - 1) / group;
-    long nblocks = (N + 15) / 16;
-    const vf16 vlo = vf_set1(lo), vhi = vf_set1(hi);
-#ifdef _OPENMP
-    #pragma omp parallel for num_threads(nthreads > 0 ? nthreads : 1) schedule(static)
-#endif
-    for (long b = 0; b < nblocks; b++) {
+typedef struct {
+    const float *w;
+    long K, N, group, G, nblocks;
+    const float *s, *z;
+    int ncand;
+    float lo, hi;
+    float *err;
+} qerr_job;
+
+static void qerr_region(void *ctx, int tid, int nt) {
+    const qerr_job *j = (const qerr_job *)ctx;
+    const long K = j->K, N = j->N, G = j->G;
+    const vf16 vlo = vf_set1(j->lo), vhi = vf_set1(j->hi);
+    long b0, b1;
+    ss_share(j->nblocks, tid, nt, &b0, &b1);
+    for (long b = b0; b < b1; b++) {
         long n0 = b * 16;
         m16 m = qlanes(N - n0);
         for (long g = 0; g < G; g++) {
-            long k0 = g * group, k1 = k0 + group < K ? k0 + group : K;
-            for (int c = 0; c < ncand; c++) {
+            long k0 = g * j->group, k1 = k0 + j->group < K ? k0 + j->group : K;
+            for (int c = 0; c < j->ncand; c++) {
                 long off = ((long)c * G + g) * N + n0;
-                vf16 sv = vf_mask_loadu(vf_set1(1.0f), m, s + off);
-                vf16 zv = z ? vf_maskz_loadu(m, z + off) : vf_zero();
+                vf16 sv = vf_mask_loadu(vf_set1(1.0f), m, j->s + off);
+                vf16 zv = j->z ? vf_maskz_loadu(m, j->z + off) : vf_zero();
                 vf16 acc = vf_zero();
                 for (long k = k0; k < k1; k++) {
-                    vf16 x = vf_maskz_loadu(m, w + k * N + n0);
+                    vf16 x = vf_maskz_loadu(m, j->w + k * N + n0);
                     vf16 u = vf_round(vf_add(vf_div(x, sv), zv));  /* half to even */
                     u = vf_min(vf_max(u, vlo), vhi);
                     vf16 d = vf_sub(vf_mul(vf_sub(u, zv), sv), x);
                     acc = vf_fmadd(d, d, acc);
                 }
-                vf_mask_storeu(err + off, m, acc);
+                vf_mask_storeu(j->err + off, m, acc);
             }
         }
     }
+}
+
+int selfspec_quant_errors(const float *w, long K, long N, long group, const float *s, const float *z, int ncand,
+                          float lo, float hi, float *err, int nthreads) {
+    if (K <= 0 || N <= 0 || group <= 0 || ncand <= 0) return -1;
+    qerr_job job = {w, K, N, group, (K + group - 1) / group, (N + 15) / 16, s, z, ncand, lo, hi, err};
+    ss_parallel(nthreads > 0 ? nthreads : 1, qerr_region, &job);
     return 0;
 }

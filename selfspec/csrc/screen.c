@@ -29,9 +29,7 @@
 #include <string.h>
 #include <stdlib.h>
 #include <math.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "pool.h"
 
 #define SCREEN_MARGIN (1.0 + 1e-6)
 #define SCREEN_TINY 1e-30  /* absolute slack: denormals flushed by the pair chain, and E = 0 rows */
@@ -107,10 +105,7 @@ int selfspec_screen_qgemm(long M, const void *x, int x_bf16, const void *wd, flo
 
 
 static int screen_team(long work, int nthreads) {
-    int nt = nthreads;
-#ifdef _OPENMP
-    if (nt <= 0) nt = omp_get_max_threads();
-#endif
+    int nt = ss_threads(nthreads);
     if (nt > MAX_TEAM) nt = MAX_TEAM;
     if (work < 65536) nt = 1;  /* not worth waking a team */
     return nt < 1 ? 1 : nt;
@@ -174,6 +169,43 @@ static long sc_row_collect(const float *am, const float *al, const float *be, do
     return n;
 }
 
+typedef struct {
+    long M, V;
+    const float *a, *ab;
+    const double *xn, *dxn;
+    int round_out;
+    long cap;
+    long *count;
+    double *lo, *glo;  /* [nt][M] partial maxima, then [M] the rows' thresholds */
+    long *found;       /* [nt][M] candidates each share found */
+    int32_t *local;    /* [nt][M][cap] their first cap */
+    int team;
+} cand_job;
+
+static void cand_region(void *ctx, int t, int T) {
+    cand_job *j = (cand_job *)ctx;
+    const long M = j->M, V = j->V, cap = j->cap;
+    const float *ab = j->ab;
+    if (t == 0) j->team = T;
+    const long v0 = V * t / T, v1 = V * (t + 1) / T;
+    for (long m = 0; m < M; m++)  /* rows outer: locals in registers, ab's share from cache */
+        j->lo[(size_t)t * (size_t)M + m] = sc_row_lo(j->a + m * V, ab, ab + V, j->xn[m], j->dxn[m], v0, v1);
+    ss_barrier();
+    if (t == 0)
+        for (long m = 0; m < M; m++) {
+            double g = -INFINITY;
+            for (int u = 0; u < T; u++) g = j->lo[(size_t)u * (size_t)M + m] > g ? j->lo[(size_t)u * (size_t)M + m] : g;
+            if (!isfinite(g)) j->count[m] = -1;
+            j->glo[m] = j->round_out ? g - (fabs(g) * 0x1p-6 + SCREEN_TINY) : g;
+        }
+    ss_barrier();
+    for (long m = 0; m < M; m++) {
+        j->found[(size_t)t * (size_t)M + m] = j->count[m] < 0 ? 0
+            : sc_row_collect(j->a + m * V, ab, ab + V, j->xn[m], j->dxn[m], j->glo[m], v0, v1,
+                             j->local + ((size_t)t * (size_t)M + m) * (size_t)cap, cap);
+    }
+}
+
 int selfspec_screen_candidates(long M, long V, const float *a, const float *ab, const double *xn, const double *dxn,
                                int round_out, int32_t *cand, long cap, long *count, int nthreads) {
     if (M <= 0) return 0;
@@ -182,39 +214,10 @@ int selfspec_screen_candidates(long M, long V, const float *a, const float *ab, 
     long *found = (long *)malloc(sizeof(long) * (size_t)M * (size_t)nt);
     int32_t *local = (int32_t *)malloc(sizeof(int32_t) * (size_t)nt * (size_t)M * (size_t)(cap > 0 ? cap : 1));
     if (!lo || !found || !local) { free(lo); free(found); free(local); return 1; }
-    double *glo = lo + (size_t)M * (size_t)nt;
-    int team = 1;
     for (long m = 0; m < M; m++) count[m] = (xn[m] < 1e15 && dxn[m] < 1e15) ? 0 : -1;  /* NaN fails too */
-#ifdef _OPENMP
-#pragma omp parallel num_threads(nt)
-#endif
-    {
-        int t = 0, T = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num(); T = omp_get_num_threads();
-#endif
-        if (t == 0) team = T;
-        const long v0 = V * t / T, v1 = V * (t + 1) / T;
-        for (long m = 0; m < M; m++) {  /* rows outer: locals in registers, ab's share from cache */
-            lo[(size_t)t * (size_t)M + m] = sc_row_lo(a + m * V, ab, ab + V, xn[m], dxn[m], v0, v1);
-        }
-#ifdef _OPENMP
-#pragma omp barrier
-#pragma omp single
-#endif
-        for (long m = 0; m < M; m++) {
-            double g = -INFINITY;
-            for (int u = 0; u < T; u++) g = lo[(size_t)u * (size_t)M + m] > g ? lo[(size_t)u * (size_t)M + m] : g;
-            if (!isfinite(g)) count[m] = -1;
-            glo[m] = round_out ? g - (fabs(g) * 0x1p-6 + SCREEN_TINY) : g;
-        }
-        /* (the implicit barrier after single) */
-        for (long m = 0; m < M; m++) {
-            found[(size_t)t * (size_t)M + m] = count[m] < 0 ? 0
-                : sc_row_collect(a + m * V, ab, ab + V, xn[m], dxn[m], glo[m], v0, v1,
-                                 local + ((size_t)t * (size_t)M + m) * (size_t)cap, cap);
-        }
-    }
+    cand_job job = {M, V, a, ab, xn, dxn, round_out, cap, count, lo, lo + (size_t)M * (size_t)nt, found, local, 1};
+    ss_parallel(nt, cand_region, &job);
+    const int team = job.team;
     for (long m = 0; m < M; m++) {
         if (count[m] < 0) continue;
         long total = 0;
@@ -259,6 +262,55 @@ static inline float sc_w(const void *w, int w_bf16, long i) {
  * k = 0..K-1; layout 2: selfspec_gemm_pairs_ref's chain), so it is that column's logit, bit for
  * bit (round_out: then rounded to bf16 as gemm.c rounds a bf16 output). Returns 0, or 2 for a
  * bad layout. */
+typedef struct {
+    long M, K, N;
+    const float *x;
+    const void *w;
+    int w_bf16, layout, round_out;
+    const int32_t *cand;
+    const long *count;
+    long cap, groups;  /* groups: SC_GROUP-candidate items per row */
+    float *out;
+    long next;  /* the next work item (dynamic schedule) */
+} cols_job;
+
+/* one work item: row m's candidates g0..g0+SC_GROUP-1 */
+static void cols_item(const cols_job *j, long m, long g0) {
+    const long K = j->K, N = j->N, cap = j->cap;
+    const void *w = j->w;
+    const int w_bf16 = j->w_bf16, layout = j->layout;
+    long n = j->count[m];
+    if (n <= 0 || n > cap || g0 >= n) return;
+    long G = n - g0 < SC_GROUP ? n - g0 : SC_GROUP;
+    const int32_t *c = j->cand + m * cap + g0;
+    const float *xr = j->x + m * K;
+    float acc[SC_GROUP] = {0};
+    if (layout < 2) {
+        for (long k = 0; k < K; k++)
+            for (long i = 0; i < G; i++) acc[i] = sc_fma(xr[k], sc_w(w, w_bf16, sc_index(layout, K, N, k, c[i])), acc[i]);
+    } else {
+        for (long k = 0; k < K; k += 2) {
+            float x0 = sc_ftz(sc_bf16_to_f32(sc_f32_to_bf16(xr[k])));
+            float x1 = k + 1 < K ? sc_ftz(sc_bf16_to_f32(sc_f32_to_bf16(xr[k + 1]))) : 0.0f;
+            for (long i = 0; i < G; i++) {
+                float w0 = sc_ftz(sc_w(w, 1, sc_index(2, K, N, k, c[i])));
+                float w1 = k + 1 < K ? sc_ftz(sc_w(w, 1, sc_index(2, K, N, k + 1, c[i]))) : 0.0f;
+                acc[i] = sc_ftz(sc_fma(x1, w1, acc[i]));
+                acc[i] = sc_ftz(sc_fma(x0, w0, acc[i]));
+            }
+        }
+    }
+    for (long i = 0; i < G; i++) j->out[m * cap + g0 + i] = j->round_out ? sc_bf16_to_f32(sc_f32_to_bf16(acc[i])) : acc[i];
+}
+
+static void cols_region(void *ctx, int tid, int nt) {
+    cols_job *j = (cols_job *)ctx;
+    (void)tid; (void)nt;
+    const long items = j->M * j->groups;
+    for (long i0; (i0 = ss_next(&j->next, 4)) < items;)
+        for (long i = i0; i < i0 + 4 && i < items; i++) cols_item(j, i / j->groups, SC_GROUP * (i % j->groups));
+}
+
 int selfspec_exact_columns(long M, long K, long N, const float *x, const void *w, int w_bf16, int layout,
                            int round_out, const int32_t *cand, const long *count, long cap, float *out, int nthreads) {
     if (layout < 0 || layout > 2 || (layout == 2 && !w_bf16)) return 2;
@@ -266,34 +318,8 @@ int selfspec_exact_columns(long M, long K, long N, const float *x, const void *w
     for (long m = 0; m < M; m++) work += count[m] > 0 && count[m] <= cap ? count[m] : 0;
     int nt = screen_team(work * K / 8, nthreads);
     /* (row, group of SC_GROUP candidates) work items, flattened */
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(nt) schedule(dynamic, 4) collapse(2)
-#endif
-    for (long m = 0; m < M; m++)
-        for (long g0 = 0; g0 < cap; g0 += SC_GROUP) {
-            long n = count[m];
-            if (n <= 0 || n > cap || g0 >= n) continue;
-            long G = n - g0 < SC_GROUP ? n - g0 : SC_GROUP;
-            const int32_t *c = cand + m * cap + g0;
-            const float *xr = x + m * K;
-            float acc[SC_GROUP] = {0};
-            if (layout < 2) {
-                for (long k = 0; k < K; k++)
-                    for (long j = 0; j < G; j++) acc[j] = sc_fma(xr[k], sc_w(w, w_bf16, sc_index(layout, K, N, k, c[j])), acc[j]);
-            } else {
-                for (long k = 0; k < K; k += 2) {
-                    float x0 = sc_ftz(sc_bf16_to_f32(sc_f32_to_bf16(xr[k])));
-                    float x1 = k + 1 < K ? sc_ftz(sc_bf16_to_f32(sc_f32_to_bf16(xr[k + 1]))) : 0.0f;
-                    for (long j = 0; j < G; j++) {
-                        float w0 = sc_ftz(sc_w(w, 1, sc_index(2, K, N, k, c[j])));
-                        float w1 = k + 1 < K ? sc_ftz(sc_w(w, 1, sc_index(2, K, N, k + 1, c[j]))) : 0.0f;
-                        acc[j] = sc_ftz(sc_fma(x1, w1, acc[j]));
-                        acc[j] = sc_ftz(sc_fma(x0, w0, acc[j]));
-                    }
-                }
-            }
-            for (long j = 0; j < G; j++) out[m * cap + g0 + j] = round_out ? sc_bf16_to_f32(sc_f32_to_bf16(acc[j])) : acc[j];
-        }
+    cols_job job = {M, K, N, x, w, w_bf16, layout, round_out, cand, count, cap, (cap + SC_GROUP - 1) / SC_GROUP, out, 0};
+    ss_parallel(nt, cols_region, &job);
     return 0;
 }
 
@@ -305,16 +331,27 @@ int selfspec_exact_columns(long M, long K, long N, const float *x, const void *w
  * Output: q as quant.c's int8 layout (u = q + 128, [ceil(N/64)][ceil(K/4)][64][4], padding 128),
  * scale fp32 [N], ab fp32 [2][N] (alpha, then beta). Returns 0, 2 for a bad layout, 3 if a weight
  * is not finite. */
-int selfspec_screen_quantize(long K, long N, const void *w, int w_bf16, int layout, double g_k, double g_b,
-                             uint8_t *q, float *scale, float *ab, int nthreads) {
-    if (layout < 0 || layout > 2 || (layout == 2 && !w_bf16)) return 2;
-    const long NB = (N + 63) / 64, K4 = (K + 3) / 4;
-    int bad = 0;
-    int nt = screen_team(K * N, nthreads);
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(nt) schedule(static) reduction(| : bad)
-#endif
-    for (long t = 0; t < NB; t++) {
+typedef struct {
+    long K, N, NB, K4;
+    const void *w;
+    int w_bf16, layout;
+    double g_k, g_b;
+    uint8_t *q;
+    float *scale, *ab;
+    int bad;
+} squant_job;
+
+static void squant_region(void *ctx, int tid, int nt) {
+    squant_job *j = (squant_job *)ctx;
+    const long K = j->K, N = j->N, K4 = j->K4;
+    const void *w = j->w;
+    const int w_bf16 = j->w_bf16, layout = j->layout;
+    const double g_k = j->g_k, g_b = j->g_b;
+    uint8_t *q = j->q;
+    float *scale = j->scale, *ab = j->ab;
+    long t0, t1;
+    ss_share(j->NB, tid, nt, &t0, &t1);
+    for (long t = t0; t < t1; t++) {
         uint8_t *qt = q + t * K4 * 64 * 4;
         memset(qt, 128, (size_t)K4 * 64 * 4);
         for (long c = 0; c < 64; c++) {
@@ -323,7 +360,7 @@ int selfspec_screen_quantize(long K, long N, const void *w, int w_bf16, int layo
             float amax = 0.0f;
             for (long k = 0; k < K; k++) {
                 float v = sc_w(w, w_bf16, sc_index(layout, K, N, k, n));
-                if (!isfinite(v)) bad = 1;
+                if (!isfinite(v)) __atomic_store_n(&j->bad, 1, __ATOMIC_RELAXED);
                 float av = fabsf(v);
                 amax = av > amax ? av : amax;
             }
@@ -353,5 +390,13 @@ int selfspec_screen_quantize(long K, long N, const void *w, int w_bf16, int layo
             ab[N + n] = fb;
         }
     }
-    return bad ? 3 : 0;
+}
+
+int selfspec_screen_quantize(long K, long N, const void *w, int w_bf16, int layout, double g_k, double g_b,
+                             uint8_t *q, float *scale, float *ab, int nthreads) {
+    if (layout < 0 || layout > 2 || (layout == 2 && !w_bf16)) return 2;
+    const long NB = (N + 63) / 64, K4 = (K + 3) / 4;
+    squant_job job = {K, N, NB, K4, w, w_bf16, layout, g_k, g_b, q, scale, ab, 0};
+    ss_parallel(screen_team(K * N, nthreads), squant_region, &job);
+    return job.bad ? 3 : 0;
 }

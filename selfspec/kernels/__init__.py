@@ -35,17 +35,19 @@ API:
   sampling_functions()         the entry points of csrc/sampling.c (one row's top-k/top-p
                                distribution and draws; used by selfspec/sampling.py), or None
 
-The C source (csrc/gemm.c) is compiled on first use with gcc -O3 -march=native -fopenmp
+The C sources (csrc/*.c) are compiled on first use with gcc -O3 -march=native -pthread
 into ~/.cache/selfspec/kernels/<hash>/libgemm.so (hash of source, flags, compiler and CPU
 flags; written to a temp file then os.replace'd) and called through ctypes. Anything that
 goes wrong (no gcc, no AVX2, compile error, SELFSPEC_NO_KERNELS=1) makes available()
-return False; callers then use torch. Work is split over N across OpenMP threads
-(torch.get_num_threads() of them); the library links libgomp.so.1 which, torch being
-imported first, resolves to the copy torch already loaded (one thread pool, not two).
+return False; callers then use torch. Work is split over N across the kernels' own thread
+pool (csrc/pool.c: the same workers for every calling thread), threads() of them; a
+generation runs in compute_scope(), which keeps torch's OpenMP threads off those cores
+(pool.py).
 No autograd: use under torch.no_grad() / inference_mode (results carry no grad_fn).
 
 Modules: build (compile, load, available), weights (PackedWeight, QuantizedWeight, pack),
-gemm (matmul), blocks (fused sub-layers, norm, soft-cap), sampling (csrc/sampling.c).
+gemm (matmul), blocks (fused sub-layers, norm, soft-cap), sampling (csrc/sampling.c), pool
+(threads(): how many the kernels use; compute_scope()).
 """
 
 from __future__ import annotations
@@ -54,7 +56,9 @@ from selfspec.kernels.blocks import FusedBlocks, norm_rows, softcap_
 from selfspec.kernels.build import _cpu_flags, available, build_id, has_pairs, load_error
 from selfspec.kernels.gemm import _reference_fp32, _reference_pairs, matmul, supports
 from selfspec.kernels.sampling import sampling_functions
+from selfspec.kernels.pool import compute_scope, threads
 from selfspec.kernels.weights import PackedWeight, QuantizedWeight, _qgemm_ref, pack, pack_rows, quant_errors
 
 __all__ = ["available", "has_pairs", "supports", "matmul", "pack", "pack_rows", "PackedWeight", "FusedBlocks", "norm_rows",
-           "softcap_", "QuantizedWeight", "quant_errors", "sampling_functions", "build_id", "load_error"]
+           "softcap_", "QuantizedWeight", "quant_errors", "sampling_functions", "build_id", "load_error", "threads",
+           "compute_scope"]

@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 _CSRC = Path(__file__).parent.parent / "csrc"
-_SRCS = [_CSRC / name for name in ("gemm.c", "blocks.c", "quant.c", "sampling.c", "screen.c")]
-_HEADERS = [_CSRC / "simd.h"]
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+_SRCS = [_CSRC / name for name in ("pool.c", "gemm.c", "blocks.c", "quant.c", "sampling.c", "screen.c")]
+_HEADERS = [_CSRC / "simd.h", _CSRC / "pool.h"]
+_FLAGS = ["-O3", "-march=native", "-pthread", "-shared", "-fPIC"]  # threads: csrc/pool.c, not OpenMP
 # The kernels are written for AVX-512 (F, BW, VL) and for AVX2 + FMA + F16C (csrc/simd.h); both
 # compute the same chains. A CPU with only part of AVX-512 builds the AVX2 code.
 NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")

@@ -9,6 +9,7 @@ import torch
 
 from selfspec.kernels import build
 from selfspec.kernels.build import available, has_pairs
+from selfspec.kernels.pool import threads
 from selfspec.kernels.weights import PackedWeight, QuantizedWeight
 
 
@@ -60,7 +61,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor | PackedWeight | QuantizedWeight, *,
     x: [M, K] bf16/fp32 CPU (made contiguous if needed). w: [K, N] bf16/fp32 contiguous CPU
     tensor, pack(w), or a QuantizedWeight (its own chains: csrc/quant.c). Returns [M, N] in x.dtype. Raises ValueError for bad operands and
     RuntimeError if the kernel is not available (check available()/supports() first).
-    num_threads only changes speed, never results (default torch.get_num_threads()).
+    num_threads only changes speed, never results (default threads()).
     """
     why = _check(x, w)
     if why is not None:
@@ -76,7 +77,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor | PackedWeight | QuantizedWeight, *,
     if k == 0:
         return y.zero_()
     x = x.detach().contiguous()
-    nt = torch.get_num_threads() if num_threads is None else int(num_threads)
+    nt = threads() if num_threads is None else int(num_threads)
     if isinstance(w, QuantizedWeight):
         rc = build._blocks["qgemm"](m, x.data_ptr(), x.dtype == torch.bfloat16, ctypes.addressof(w.desc), y.data_ptr(),
                               y.dtype == torch.bfloat16, nt)

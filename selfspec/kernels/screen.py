@@ -8,6 +8,7 @@ import ctypes
 import torch
 
 from selfspec.kernels import build
+from selfspec.kernels import pool as _pool
 from selfspec.kernels.weights import PackedWeight, QuantizedWeight
 
 
@@ -23,7 +24,7 @@ def screen_qgemm(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     x = x.contiguous()
     y = torch.empty(x.shape[0], w.out_features, dtype=torch.float32)
     rc = _dll().selfspec_screen_qgemm(x.shape[0], x.data_ptr(), x.dtype == torch.bfloat16, ctypes.addressof(w.desc), y.data_ptr(),
-                                      torch.get_num_threads())
+                                      _pool.threads())
     if rc:
         raise RuntimeError(f"kernels.screen_qgemm: returned {rc}")
     return y
@@ -56,7 +57,7 @@ def screen_candidates(a: torch.Tensor, ab: torch.Tensor, xn: torch.Tensor, dxn: 
     m, v = a.shape
     cand = torch.empty(m, cap, dtype=torch.int32)
     count = torch.empty(m, dtype=torch.int64)
-    nt = torch.get_num_threads() if threads is None else threads
+    nt = _pool.threads() if threads is None else threads
     rc = _dll().selfspec_screen_candidates(m, v, a.data_ptr(), ab.data_ptr(), xn.data_ptr(), dxn.data_ptr(),
                                                         int(round_out), cand.data_ptr(), cap, count.data_ptr(), nt)
     if rc:
@@ -78,7 +79,7 @@ def exact_columns(x: torch.Tensor, w: PackedWeight | torch.Tensor, cand: torch.T
     n = w.shape[1]
     cap = cand.shape[1]
     out = torch.empty(m, cap, dtype=torch.float32)
-    nt = torch.get_num_threads() if threads is None else threads
+    nt = _pool.threads() if threads is None else threads
     rc = _dll().selfspec_exact_columns(m, k, n, xf.data_ptr(), data.data_ptr(), data.dtype == torch.bfloat16,
                                                     layout, int(x.dtype == torch.bfloat16), cand.data_ptr(), count.data_ptr(), cap, out.data_ptr(), nt)
     if rc:
@@ -97,7 +98,7 @@ def screen_quantize(w: PackedWeight | torch.Tensor, g_k: float, g_b: float) -> t
     q = torch.empty((n + 63) // 64, (k + 3) // 4, 64, 4, dtype=torch.uint8)
     scale, ab = torch.empty(n, dtype=torch.float32), torch.empty(2, n, dtype=torch.float32)
     rc = _dll().selfspec_screen_quantize(k, n, data.data_ptr(), data.dtype == torch.bfloat16, layout, g_k, g_b,
-                                                      q.data_ptr(), scale.data_ptr(), ab.data_ptr(), torch.get_num_threads())
+                                                      q.data_ptr(), scale.data_ptr(), ab.data_ptr(), _pool.threads())
     if rc == 3:
         return None
     if rc:

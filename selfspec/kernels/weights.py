@@ -9,6 +9,7 @@ import torch
 
 from selfspec.kernels import build
 from selfspec.kernels.build import available, has_pairs
+from selfspec.kernels.pool import threads
 
 
 class PackedWeight:
@@ -125,7 +126,7 @@ def quant_errors(w: torch.Tensor, group: int, s: torch.Tensor, z: torch.Tensor |
     z = None if z is None else z.float().contiguous()
     err = torch.empty_like(s)
     rc = fn(w.data_ptr(), w.shape[0], w.shape[1], group, s.data_ptr(), 0 if z is None else z.data_ptr(), s.shape[0],
-            lo, hi, err.data_ptr(), torch.get_num_threads())
+            lo, hi, err.data_ptr(), threads())
     if rc:
         raise RuntimeError(f"kernels.quant_errors: returned {rc}")
     return err

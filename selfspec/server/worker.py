@@ -228,7 +228,7 @@ class Worker:
 
     def _step(self) -> None:
         try:
-            with self.model._lock:  # SelfSpecModel's one-generation-at-a-time lock, per step
+            with self.model.computing():  # SelfSpecModel's one-generation-at-a-time lock, per step
                 self.engine_step()
             self.steps += 1
         except Exception as e:  # the batch's state is unknown: everyone in it fails, a fresh engine goes on
@@ -297,6 +297,6 @@ def warmup(model, draft) -> None:
     ids = tok("Hello").input_ids if tok is not None else [0]
     ids = [t for t in ids if 0 <= t < model.spec.vocab_size] or [0]
     model.generate(ids, max_new_tokens=2, draft=draft)
-    with model._lock:
+    with model.computing():
         batch_costs(model.runtime)
     model.generate_batch([ids, ids], max_new_tokens=4, draft=draft, max_batch=2)
