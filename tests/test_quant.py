@@ -131,7 +131,7 @@ def test_kernel_bits_match_the_scalar_chain(bits, k, n):
     ref = kernels._qgemm_ref(x, qw)
     full = kernels.matmul(x, qw)
     assert torch.equal(full, ref)
-    for m in range(1, 21):  # row blocks of 4 and the tails, every thread count: the same bits
+    for m in range(1, 21):  # row blocks (6 or 4 rows) and the tails, every thread count: the same bits
         assert torch.equal(kernels.matmul(x[:m], qw), full[:m]), m
         assert torch.equal(kernels.matmul(x[:m], qw, num_threads=1), full[:m]), m
         assert torch.equal(kernels.matmul(x[m - 1:m], qw, num_threads=3), full[m - 1:m]), m
