@@ -182,8 +182,8 @@ def generate(
     cache = runtime.new_cache(len(prompt_ids) + gen.max_new_tokens + MAX_SPECULATIONS + 2)
     out = _Output(tokenizer, gen, eos_ids, on_event)
 
-    def pick(logits: torch.Tensor) -> int:
-        return int(logits.argmax()) if sampling.greedy else distribution(logits, sampling).draw(rng)
+    def pick(logits: torch.Tensor | int) -> int:
+        return logits if sampling.greedy else distribution(logits, sampling).draw(rng)  # greedy: prefill gave the token
 
     with torch.inference_mode():
         ids = torch.tensor(prompt_ids, device=runtime.device)

@@ -7,18 +7,18 @@ step on a small model (Gemma 3 270M: 335 MB of its 536 MB). So:
     a[v] = the int8 head's value (csrc/quant.c, activations quantized too)  -- half the bytes
     |l[v] - a[v]| <= E[v] = ||x'|| alpha[v] + ||x' - xhat|| beta[v]        -- for every v, proven
     candidates = { v : a[v] + E[v] >= max_u (a[u] - E[u]) }                -- holds every maximum
-    logits     = l at the candidates (the very chains of gemm.c), -inf elsewhere
+    argmax     = over the candidates' l (the very chains of gemm.c), first index on ties
 
 The bound is Cauchy-Schwarz on w.x' - what.xhat = (w - what).x' + what.(x' - xhat) plus the
 rounding of both fp32 chains (csrc/screen.c has the derivation). Every column that can be the
 maximum, ties included, is a candidate and carries its exact logit; every other one is
-strictly below the maximum. So argmax over the returned row, first index on ties, is the
-argmax of the full head, token for token: greedy output does not change, only its cost (on
+strictly below the maximum. So the candidates' argmax, first index on ties, is the argmax
+of the full head, token for token: greedy output does not change, only its cost (on
 the default model ~50 candidates a row on average, a few hundred at worst; a row with more
 than CAP, or with non-finite inputs, is computed by the full head instead).
 
-Only argmax may be taken from these rows (Runtime.logits(argmax_only=True)): sampling, and
-anything that reads probabilities, uses the full head.
+It gives argmax ids only (Runtime.argmax): sampling, and anything that reads probabilities,
+uses the full head.
 """
 
 from __future__ import annotations
@@ -64,27 +64,32 @@ class ScreenedHead:
     def nbytes(self) -> int:
         return self.qhead.nbytes + self.ab.numel() * 4
 
-    def logits(self, x: torch.Tensor, full) -> torch.Tensor:
-        """x [M, K]: the head's input (after the final norm). -> fp32 [M, V]: the exact logit at
-        every candidate column, -inf elsewhere (argmax only: module doc). full(rows) -> the full
-        head's logits of those rows, for rows the screen cannot decide."""
+    def screen(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [M, K]: the head's input (after the final norm). -> (cand int32 [M, CAP], count
+        int64 [M], vals fp32 [M, CAP]): row m's candidate columns in increasing order (the first
+        count[m] entries) and their exact logits; count[m] outside 1..CAP: a row the screen
+        cannot decide (too many candidates, or non-finite inputs)."""
         a = screen_qgemm(x, self.qhead)  # [M, V]
         xn, dxn = act_residual(x, round_bf16=self.pairs)
         cand, count = screen_candidates(a, self.ab, xn, dxn, CAP, round_out=x.dtype == torch.bfloat16)
-        vals = exact_columns(x, self.head, cand, count)
-        out = a.fill_(-math.inf)  # reuse a's memory
+        return cand, count, exact_columns(x, self.head, cand, count)
+
+    def argmax(self, x: torch.Tensor, full) -> list[int]:
+        """The full head's argmax of each row of x [M, K] (first index on ties), from the
+        candidates alone: every other column is strictly below the row's maximum (module doc).
+        full(rows) -> the full head's logits of those rows, for rows the screen cannot decide."""
+        cand, count, vals = self.screen(x)
         ok = (count > 0) & (count <= CAP)
         n = count.clamp(0, CAP) * ok
-        keep = torch.arange(CAP)[None] < n[:, None]  # [M, CAP]
-        rows = torch.arange(x.shape[0])[:, None].expand_as(keep)
-        out[rows[keep], cand[keep].long()] = vals[keep]
+        vals = vals.masked_fill(torch.arange(CAP)[None] >= n[:, None], -math.inf)  # [M, CAP]: past a row's count, undefined
+        best = cand.gather(1, vals.argmax(-1, keepdim=True)).flatten().long()  # candidates ascend: the first maximum wins
         bad = (~ok).nonzero().flatten()
         if len(bad):
-            out[bad] = full(bad)
+            best[bad] = full(bad).argmax(-1)
         self.rows += x.shape[0]
         self.candidates += int(n.sum())
         self.full_rows += len(bad)
-        return out
+        return best.tolist()
 
 
 _lock = threading.Lock()

@@ -4,6 +4,7 @@ Primitives (what drafting and verification are built from):
   embed(ids)                      -> h [T, H]
   run_layers(h, start, end, pos)  -> h after layers start..end-1, KV written at pos..pos+T-1
   logits(h, head=None)            -> [T, V] (or [T, N] through a restricted draft head)
+  argmax(h)                       -> the full head's argmax token per row (greedy; no [T, V] rows)
 Sub-layers can be skipped per call (`skip_attn`, `skip_mlp`: the residual passes through).
 
 Tensors carry no batch dimension. Several sequences go through one pass with
@@ -390,19 +391,13 @@ class Runtime:
                 self.blocks.mlp(i, h, threads)
         return h
 
-    def logits(self, h: torch.Tensor, head=None, argmax_only: bool = False) -> torch.Tensor:
+    def logits(self, h: torch.Tensor, head=None) -> torch.Tensor:
         """Final norm + LM head. h [T, H] -> [T, V] (fp32). `head` is a [H, N] slice of the
-        LM head for a restricted draft vocabulary, from prepare_weight(head_columns(ids)).
-        argmax_only (greedy): rows whose argmax, ties included, is the full head's, but whose
-        other entries may be -inf: the int8-screened head where it applies (greedy_head.py)."""
+        LM head for a restricted draft vocabulary, from prepare_weight(head_columns(ids))."""
         cap = self.spec.final_logit_softcap
         if self.uses_kernels:  # row-invariant by construction (module doc)
             x = kernels.norm_rows(h, self.final_norm, self.spec.rms_norm_eps)
-            screen = screened_head(self) if argmax_only and head is None else None
-            if screen is not None:
-                return screen.logits(x, lambda rows: self._mm(x[rows], self.head).float())
-            out = self._mm(x, self.head if head is None else head)
-            out = out.float()
+            out = self._mm(x, self.head if head is None else head).float()
             return kernels.softcap_(out, cap) if cap else out
         x = self.rms_norm(h, self.final_norm)
         out = self._mm(x, self.head if head is None else head).float()
@@ -410,9 +405,20 @@ class Runtime:
             out = torch.tanh(out / cap) * cap
         return out
 
+    def argmax(self, h: torch.Tensor) -> list[int]:
+        """Greedy: the argmax token of each row of h [T, H] under the full head (first index on
+        ties), exactly logits(h).argmax(-1), through the int8-screened head where it applies
+        (greedy_head.py: half the head's bytes, and no [T, V] rows)."""
+        screen = screened_head(self)
+        if screen is None:
+            return self.logits(h).argmax(-1).tolist()
+        x = kernels.norm_rows(h, self.final_norm, self.spec.rms_norm_eps)
+        return screen.argmax(x, lambda rows: self._mm(x[rows], self.head).float())
+
     def forward(self, ids: torch.Tensor, pos: int, cache: KVCache, last_only: bool = False,
-                argmax_only: bool = False) -> torch.Tensor:
-        """Full model on ids [T] at positions pos..; returns fp32 logits [T or 1, V]
-        (argmax_only: see logits)."""
+                argmax_only: bool = False) -> torch.Tensor | list[int]:
+        """Full model on ids [T] at positions pos..; returns fp32 logits [T or 1, V], or with
+        argmax_only (greedy) those rows' argmax tokens (Runtime.argmax)."""
         h = self.run_layers(self.embed(ids), 0, self.num_layers, pos, cache)
-        return self.logits(h[-1:] if last_only else h, argmax_only=argmax_only)
+        h = h[-1:] if last_only else h
+        return self.argmax(h) if argmax_only else self.logits(h)

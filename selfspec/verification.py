@@ -18,9 +18,9 @@ import torch
 from selfspec.sampling import Dist, as_rows, residual_draw, uniforms
 
 
-def greedy_accept(draft: list[int], target_logits: torch.Tensor) -> tuple[int, int]:
-    """draft: k token ids; target_logits [k+1, V]. -> (number accepted, next token)."""
-    targets = target_logits.argmax(-1).tolist()
+def greedy_accept(draft: list[int], targets: list[int]) -> tuple[int, int]:
+    """draft: k token ids; targets: the verifier's k+1 argmax tokens (Runtime.argmax). ->
+    (number accepted, next token)."""
     n = 0
     while n < len(draft) and draft[n] == targets[n]:
         n += 1

@@ -60,7 +60,7 @@ def draft_depth(seqs: list) -> None:
 class Part:
     """Rows of one sequence in a staged pass: `cached` hidden states entering at layer `entry`
     (positions pos..), then `ids` (fresh tokens, from layer 0, positions pos+len(cached)..).
-    logits: "all" rows, "last" row, or "none"; argmax_only: greedy rows (Runtime.logits)."""
+    logits: "all" rows, "last" row, or "none"; argmax_only: greedy rows (their argmax tokens: Runtime.argmax)."""
 
     cache: object
     pos: int
@@ -85,8 +85,9 @@ def verify_part(seq) -> Part:
     return Part(seq.cache, seq.step.pos, ids, argmax_only=greedy)
 
 
-def staged_forward(rt, parts: list[Part]) -> list[torch.Tensor | None]:
-    """One batched pass over every part; -> per part its logits rows (fp32 [n, V]) or None."""
+def staged_forward(rt, parts: list[Part]) -> list[torch.Tensor | list[int] | None]:
+    """One batched pass over every part; -> per part its logits rows (fp32 [n, V]; argmax_only:
+    their argmax tokens) or None."""
     L = rt.num_layers
     bounds = sorted({0, L} | {p.entry for p in parts if p.cached is not None})
     dev = rt.device
@@ -114,7 +115,8 @@ def staged_forward(rt, parts: list[Part]) -> list[torch.Tensor | None]:
             rows = [(i, h) for i, h in want if parts[i].argmax_only == greedy]
             if not rows:
                 continue
-            logits = rt.logits(torch.cat([h for _, h in rows]), argmax_only=greedy)
+            x = torch.cat([h for _, h in rows])
+            logits = rt.argmax(x) if greedy else rt.logits(x)
             r = 0
             for i, h in rows:
                 out[i], r = logits[r : r + h.shape[0]], r + h.shape[0]

@@ -51,7 +51,7 @@ class BatchCosts:
                 table = _spread(caches, r, context)
                 h = (torch.randn(r, H, generator=gen) * 0.1).to(rt.device, rt.dtype)
                 layers[r] = time_call(lambda: rt.run_layers_batch(h, 0, rt.num_layers, table), repeats, statistics.median)
-                head[r] = time_call(lambda: rt.logits(h, argmax_only=True), repeats, statistics.median)
+                head[r] = time_call(lambda: rt.argmax(h), repeats, statistics.median)
         return cls(_monotone(layers), _monotone(head))
 
     @staticmethod

@@ -173,10 +173,11 @@ class Sequence:
 
     # ---- results -------------------------------------------------------------------------------
 
-    def pick_first(self, logits: torch.Tensor) -> None:
-        """The first new token from the prompt's last logits [V] (as `generate` picks it)."""
+    def pick_first(self, logits: torch.Tensor | int) -> None:
+        """The first new token from the prompt's last logits [V] (greedy: its argmax token, as
+        prefill gives it), as `generate` picks it."""
         s = self.req.sampling
-        first = int(logits.argmax()) if s.greedy else distribution(logits, s).draw(self.rng)
+        first = logits if s.greedy else distribution(logits, s).draw(self.rng)
         now = self.clock()
         self.stats.time_prefill_s = self.stats.time_to_first_token_s = now - self.t_start
         self.tokens.append(first)

@@ -1,12 +1,12 @@
 """The protocol every draft strategy speaks with the engine (engine.py runs it):
 
     prefill(ids, cache)   -> logits [V] of the prompt's last position; starts a generation
-                             (argmax_only=True: greedy, as verify's rows below)
+                             (argmax_only=True, greedy: that row's argmax token instead)
     draft(step)           -> Draft: up to step.k proposed tokens (and, when sampling, the
                              distribution each was drawn from)
     verify(step, draft)   -> target logits [len(draft)+1, V] for the pending token and every
-                             drafted token, all from the *full* model (greedy: argmax-only
-                             rows, Runtime.logits(argmax_only=True))
+                             drafted token, all from the *full* model (greedy: those rows'
+                             argmax tokens, list[int], Runtime.argmax)
     accepted(step, draft, n)  the verifier kept n drafts (adaptation, per-position state)
     verify_foreign(step, draft)   verify drafts another drafter made (prompt lookup's, for
                              lookup-first), keeping this drafter's own per-position state whole
@@ -65,7 +65,7 @@ class Drafter:
     def max_draft(self) -> int:
         return self.cfg.num_speculations if self.cfg.speculative else 0
 
-    def prefill(self, ids: torch.Tensor, cache: KVCache, argmax_only: bool = False) -> torch.Tensor:
+    def prefill(self, ids: torch.Tensor, cache: KVCache, argmax_only: bool = False) -> torch.Tensor | int:
         self.start(cache)
         return self.rt.forward(ids, 0, cache, last_only=True, argmax_only=argmax_only)[0]
 

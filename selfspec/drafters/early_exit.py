@@ -52,7 +52,7 @@ class EarlyExitDrafter(TokenDrafter):
     def _head_input(self, h: torch.Tensor, pos: int) -> torch.Tensor:
         return h
 
-    def verify(self, step: Step, draft: Draft) -> torch.Tensor:
+    def verify(self, step: Step, draft: Draft) -> torch.Tensor | list[int]:
         inputs = [step.tokens[-1], *draft.tokens]
         j = len(self._exit_h)
         if j < len(inputs):  # inputs not yet through layers < E: the last draft, or drafts from elsewhere
@@ -60,7 +60,7 @@ class EarlyExitDrafter(TokenDrafter):
             self._exits_written(self._exit_h[-1], step.pos + j)
         h = torch.cat(self._exit_h)  # [k+1, H]
         h = self.rt.run_layers(h, self.exit, self.rt.num_layers, step.pos, step.cache)
-        return self.rt.logits(h, argmax_only=step.sampling.greedy)
+        return self.rt.argmax(h) if step.sampling.greedy else self.rt.logits(h)
 
     def _exits_written(self, h: torch.Tensor, pos: int) -> None:
         pass
@@ -107,7 +107,7 @@ class ExitAdapterDrafter(EarlyExitDrafter):
         h = self._exit_hidden(ids, 0, cache)  # [P, H]
         self._exits_written(h, 0)
         h = self.rt.run_layers(h, self.exit, self.rt.num_layers, 0, cache)
-        return self.rt.logits(h[-1:], argmax_only=argmax_only)[0]
+        return (self.rt.argmax if argmax_only else self.rt.logits)(h[-1:])[0]
 
     def _catch_up(self, step: Step) -> None:
         """Context this drafter has not seen (a prefill it did not run, e.g. auto's

@@ -93,16 +93,16 @@ def calibration_exits(num_layers: int) -> tuple[int, ...]:
     return tuple(sorted({round(1 + i * (num_layers - 2) / max(n - 1, 1)) for i in range(n)}))
 
 
-def prefill_capturing(runtime, ids: torch.Tensor, cache, exits, argmax_only: bool = False) -> tuple[torch.Tensor, dict]:
+def prefill_capturing(runtime, ids: torch.Tensor, cache, exits, argmax_only: bool = False) -> tuple[torch.Tensor | int, dict]:
     """The prompt's prefill (Runtime.forward's computation: the same cache and logits), keeping
     the last CALIBRATION_POSITIONS hidden states at the input of each exit layer and after the
-    last layer. -> (logits [V], captured)."""
+    last layer. -> (logits [V], or the argmax token with argmax_only; captured)."""
     P = CALIBRATION_POSITIONS
     states = dict.fromkeys(exits)
     h = runtime.run_layers(runtime.embed(ids), 0, runtime.num_layers, 0, cache, capture=states)
     captured = {i: s[-P:] for i, s in states.items()}
     captured["final"] = h[-P:]
-    return runtime.logits(h[-1:], argmax_only=argmax_only)[0], captured
+    return (runtime.argmax if argmax_only else runtime.logits)(h[-1:])[0], captured
 
 
 def quantized_agreement(runtime, quant, ids: list[int], cache, target, head, vocab) -> Agreement:

@@ -97,7 +97,7 @@ class CostModel:
                     tm.append(timed(lambda: runtime.run_layers(h, i, i + 1, 100, cache, all_layers, frozenset())))
                 attn[r], mlp[r] = statistics.mean(ta), statistics.mean(tm)
                 head[r] = timed(lambda: runtime.logits(h))
-                head_greedy[r] = timed(lambda: runtime.logits(h, argmax_only=True))
+                head_greedy[r] = timed(lambda: runtime.argmax(h))
             h1 = (torch.randn(1, H, generator=gen) * 0.1).to(runtime.device, runtime.dtype)
             drafts = {k: timed(lambda w=w: runtime.logits(h1, head=w)) for k, w in (draft_heads or {}).items()}
             quant = {}
