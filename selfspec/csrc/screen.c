@@ -254,6 +254,9 @@ static inline float sc_w(const void *w, int w_bf16, long i) {
 }
 
 #define SC_GROUP 8  /* candidates whose chains run side by side (independent: latency hidden) */
+#ifndef SC_PF
+#define SC_PF 48  /* k-rows ahead a column read asks for (even: whole pairs) */
+#endif
 
 /* The exact logits of the candidates: x [M, K] fp32 (the values the head's gemm multiplies),
  * w the head in `layout` (pairs: bf16 only), cand / count as selfspec_screen_candidates made
@@ -285,11 +288,21 @@ static void cols_item(const cols_job *j, long m, long g0) {
     const int32_t *c = j->cand + m * cap + g0;
     const float *xr = j->x + m * K;
     float acc[SC_GROUP] = {0};
+    /* A column is one value per k-row (64-128 bytes apart in the packed layouts): each read
+     * misses on its own line, so the lines SC_PF k-rows ahead are asked for early (hints only). */
+    const int esz = w_bf16 ? 2 : 4;
+    for (long k = 0; k < SC_PF && k < K; k++)
+        for (long i = 0; i < G; i++) _mm_prefetch((const char *)w + esz * sc_index(layout, K, N, k, c[i]), _MM_HINT_T0);
     if (layout < 2) {
-        for (long k = 0; k < K; k++)
+        for (long k = 0; k < K; k++) {
+            if (k + SC_PF < K)
+                for (long i = 0; i < G; i++) _mm_prefetch((const char *)w + esz * sc_index(layout, K, N, k + SC_PF, c[i]), _MM_HINT_T0);
             for (long i = 0; i < G; i++) acc[i] = sc_fma(xr[k], sc_w(w, w_bf16, sc_index(layout, K, N, k, c[i])), acc[i]);
+        }
     } else {
         for (long k = 0; k < K; k += 2) {
+            if (k + SC_PF < K)  /* the pair holding k-rows k + SC_PF, k + SC_PF + 1 */
+                for (long i = 0; i < G; i++) _mm_prefetch((const char *)w + esz * sc_index(2, K, N, k + SC_PF, c[i]), _MM_HINT_T0);
             float x0 = sc_ftz(sc_bf16_to_f32(sc_f32_to_bf16(xr[k])));
             float x1 = k + 1 < K ? sc_ftz(sc_bf16_to_f32(sc_f32_to_bf16(xr[k + 1]))) : 0.0f;
             for (long i = 0; i < G; i++) {
