@@ -211,9 +211,14 @@ def test_threshold_adaptive_and_draft_vocab_preserve_the_distribution(tiny):
 
 @needs_kernels
 def test_quantized_with_lookup_first_preserves_the_distribution(tiny):
-    """An int4 copy of the model's weights drafting behind prompt lookup: both kinds of draft,
-    and rejections often enough on this tiny model."""
+    """An int4 copy of the model's weights drafting behind prompt lookup: the copies are
+    guesses of its own sampled drafts (draft_guessed), never drafts themselves; rejections
+    often enough on this tiny model."""
     d = tiny.drafter(DraftConfig("quantized", draft_bits=4, num_speculations=3, lookup_first=True))
-    from_lookup = _count_draft_sources(d)
+    sources = _count_draft_sources(d)
+    guessed = []
+    draft_guessed = d.inner.draft_guessed
+    d.inner.draft_guessed = lambda step, guess=None: (guessed.append(guess is not None), draft_guessed(step, guess))[1]
     _check(tiny, d, SamplingConfig(temperature=0.9, top_k=8), seed0=4_000_000)
-    assert min(from_lookup) > 0, from_lookup
+    assert sources[0] > 0 and sources[1] == 0, sources
+    assert any(guessed), "no draft had a lookup guess"

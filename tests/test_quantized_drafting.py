@@ -116,3 +116,52 @@ def test_copies_are_kept_on_disk_and_read_back(tmp_path, monkeypatch):
     third.resources.quantized(4)
     assert len(calls) == 8  # 2 layers x 4 matrices remade
     assert quant_store.load_weights(layers) is not None  # and stored again, whole
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+@pytest.mark.parametrize("draft", [dict(strategy="quantized", num_speculations=5, draft_vocab=64),
+                                   dict(strategy="quantized", num_speculations=6, draft_bits=4),
+                                   dict(strategy="layer-skip", skip_mlp=(1,), num_speculations=4)])
+def test_a_guessed_draft_is_the_draft(model, draft, temperature):
+    """draft_guessed (one pass over [last token, guess...], rows used while the guess agrees)
+    drafts exactly draft()'s tokens, and when sampling draws them from the same distributions
+    with the same random numbers, whatever the guess: right, partly right, wrong, too long,
+    empty, or a new guess after each disagreement. And a right guess takes fewer passes."""
+    from selfspec.config import SamplingConfig
+    from selfspec.drafters.base import Step
+    from selfspec.sampling import make_rng
+
+    rt = model.runtime
+    drafter = model.drafter(model.draft_config(**draft))
+    p = prompts(n=1, vocab=model.spec.vocab_size, lengths=(20,), seed=4)[0]
+    sampling = SamplingConfig(temperature=temperature, top_p=0.95 if temperature else None, seed=3)
+    calls = []
+    orig = drafter.draft_rt.run_layers
+    drafter.draft_rt.run_layers = lambda h, *a, **kw: (calls.append(h.shape[0]), orig(h, *a, **kw))[1]
+
+    def run(guess):
+        cache = rt.new_cache(64)
+        with torch.inference_mode():
+            rt.forward(torch.tensor(p[:-1]), 0, cache)
+            step = Step(list(p), len(p) - 1, drafter.cfg.num_speculations, cache, sampling, make_rng(sampling.seed, rt.device))
+            calls.clear()
+            d = drafter.draft(step) if guess == "plain" else drafter.draft_guessed(step, guess)
+            return d, len(calls), float(torch.rand(1, generator=step.rng))  # the rng's state after drafting
+
+    want, passes, after = run("plain")
+    assert len(want.tokens) >= 2 and passes == len(want.tokens)
+    toks = want.tokens
+    guesses = {"right": lambda done: toks[len(done):], "too long": lambda done: toks[len(done):] + [1, 2, 3, 4, 5],
+               "wrong first": lambda done: [(toks[0] + 1) % 256, *toks[1:]] if not done else [],
+               "wrong later": lambda done: [*toks[len(done):-1], (toks[-1] + 1) % 256],
+               "empty": lambda done: [], "junk": lambda done: [(t * 7 + 3) % 256 for t in range(4)]}
+    for name, guess in guesses.items():
+        got, n, rng_after = run(guess)
+        assert got.tokens == want.tokens, name
+        assert rng_after == after, name
+        if temperature:
+            for a, b in zip(got.dists, want.dists):
+                ids = torch.arange(model.spec.vocab_size)
+                assert torch.equal(a.probs_at(ids), b.probs_at(ids)), name
+        if name == "right":
+            assert n == 1 < passes

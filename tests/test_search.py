@@ -87,6 +87,30 @@ def test_simulate_threshold_stop_costs_one_more_draft():
     assert plain.time_s == pytest.approx(3 * draft + verify_fresh)
 
 
+def test_guessed_passes_by_hand():
+    """A quantized lookup-first draft checks copies (draft_guessed): one pass covers the draft
+    tokens a copy foretells, and a pass ends at the first wrong guess or wrong draft."""
+    from selfspec.predictor.simulate import _guessed_passes
+
+    # the pending token is tokens[3]; the target continues 1 2 3 0 (a repeat of the prompt)
+    tokens = [0, 1, 2, 3, 0, 1, 2, 3, 0]
+    q = 4  # absolute index of the pending token (0): the lookup copies 1 2 3 0
+    right = Signal(np.ones(4, bool), np.ones(4))
+    assert _guessed_passes(right, tokens, q, 0, 4, 3, 4) == 1  # the copy foretells all 4 drafts
+    wrong2 = Signal(np.array([1, 0, 1, 1], bool), np.ones(4))  # the draft's 2nd token is not the target's
+    assert _guessed_passes(wrong2, tokens, q, 0, 4, 3, 4) == 3  # pass 1: drafts 1, 2 (wrong); then one a pass
+    nomatch = [5, 6, 7, 8, 9, 1, 2, 3, 4]  # no earlier occurrence of any suffix: no guess
+    assert _guessed_passes(right, nomatch, 4, 0, 4, 3, 4) == 4
+    # the engine's prediction: the same drafts and acceptance as without the lookup, fewer passes
+    costs = _fake_costs()
+    cal = Signal(np.ones(5, bool), np.ones(5))
+    seq = [0, 1, 2, 3, 0, 1, 2, 3, 0]
+    plain = simulate(DraftConfig("quantized", num_speculations=4), cal, costs, tokens=seq, start=4)
+    guessed = simulate(DraftConfig("quantized", num_speculations=4, lookup_first=True), cal, costs, tokens=seq, start=4)
+    assert (guessed.steps, guessed.drafted, guessed.accepted) == (plain.steps, plain.drafted, plain.accepted)
+    assert guessed.time_s < plain.time_s
+
+
 @pytest.fixture(scope="module")
 def tiny():
     hf = build_hf("llama", seed=3, num_layers=6, vocab_size=48)

@@ -1,22 +1,30 @@
-"""Lookup-first: prompt lookup when the context has a match (free drafts), else the wrapped
-self-drafter."""
+"""Lookup-first: prompt lookup when the context has a match (free drafts, or guesses of the
+wrapped self-drafter's own), else the wrapped self-drafter."""
 
 from __future__ import annotations
 
 from selfspec.config import DraftConfig
 from selfspec.drafters.base import Draft, Drafter
 from selfspec.drafters.lookup import PromptLookupDrafter
+from selfspec.lookup import lookup_continuation
 
 
 class LookupFirstDrafter(Drafter):
-    """The wrapped drafter verifies lookup drafts too (verify_foreign: a full forward pass, or
-    early exit's split one), so any per-position state it keeps stays whole; its adaptation
-    follows its own drafts only.
+    """The copy is the draft, and the wrapped drafter verifies it too (verify_foreign: a full
+    forward pass, or early exit's split one), so any per-position state it keeps stays whole;
+    its adaptation follows its own drafts only. Except where the wrapped drafter checks
+    guesses (checks_guesses: the quantized copy, which agrees with the model far more often
+    than a copy is accepted): there the copies are guesses of its own tokens
+    (LayerSkipDrafter.draft_guessed: the same draft, the same random numbers, one pass for
+    as long as a copy foretells it; after a disagreement, a new lookup of the context with
+    what was drafted).
 
-    greedy_only: consult the lookup in greedy decoding only. A copied token is accepted with
-    probability p(x) when sampling, so there the self-draft alone does better (default model,
-    quantized int8 K=5: greedy 104 -> 117 tok/s with the lookup, sampling 100 -> 86);
-    auto uses it so for a profile's self-draft."""
+    greedy_only: consult the lookup in greedy decoding only. Where the copy is the draft, a
+    copied token is accepted with probability p(x) when sampling, so there the self-draft
+    alone does better (default model, quantized int8 K=5 before guesses: greedy 104 -> 117
+    tok/s with the lookup, sampling 100 -> 86); as guesses, sampled drafts rarely follow a
+    copy for long (no gain measured at temperature 0.8). auto uses it for a profile's
+    self-draft."""
 
     def __init__(self, inner: Drafter, cfg: DraftConfig, greedy_only: bool = False):
         super().__init__(inner.rt, cfg, tuple(inner.eos_ids))
@@ -32,9 +40,16 @@ class LookupFirstDrafter(Drafter):
         self.inner.start(cache)
 
     def draft(self, step):
-        use = step.k > 0 and (step.sampling.greedy or not self.greedy_only)
-        d = self.lookup.draft(step) if use else Draft()
-        return d if d.tokens else self.inner.draft(step)
+        if step.k <= 0 or not (step.sampling.greedy or not self.greedy_only):
+            return self.inner.draft(step)
+        d = self.lookup.draft(step)
+        if not d.tokens:
+            return self.inner.draft(step)
+        if getattr(self.inner, "checks_guesses", False):  # the inner draft itself, sped up by copies
+            n, k = self.lookup.cfg.max_ngram, step.k
+            return self.inner.draft_guessed(step, lambda drafted: d.tokens if not drafted else
+                                            lookup_continuation(step.tokens + drafted, n, k))
+        return d
 
     def verify(self, step, draft):
         return self.inner.verify_foreign(step, draft) if draft.copied else self.inner.verify(step, draft)

@@ -24,6 +24,8 @@ from selfspec.config import DraftConfig
 from selfspec.lookup import lookup_continuation
 from selfspec.predictor.costs import CostModel
 
+GUESS_CHECKING = ("quantized",)  # strategies whose lookup-first drafts check copies (drafters/quantized.py)
+
 
 def expected_tokens(alpha: float, k: int) -> float:
     """E[N] for i.i.d. acceptance alpha and k drafts (the verifier's token included)."""
@@ -96,7 +98,8 @@ def simulate(cfg: DraftConfig, cal: Agreement, costs: CostModel, adapter_cost: f
     the leading matches and commits accepted + 1 tokens, like the engine (k is capped so
     a step never commits past the end). With cfg.lookup_first, `tokens` is the whole
     sequence and position t of `cal` is tokens[start + t]: a prompt-lookup match, when there
-    is one, is drafted instead and verified by a full pass."""
+    is one, is drafted instead and verified by a full pass (a strategy in GUESS_CHECKING drafts
+    its own tokens with the match as a guess: the same drafts, fewer passes)."""
     T, K = len(cal.match), cfg.num_speculations
     gamma = cfg.draft_threshold
     t_draft = costs.draft_token(cfg, adapter_cost)
@@ -104,10 +107,12 @@ def simulate(cfg: DraftConfig, cal: Agreement, costs: CostModel, adapter_cost: f
     p = 0
     while p < T:
         k = min(K, T - p - 1)
+        guessed = False
         if cfg.lookup_first and k > 0:
             q = start + p  # absolute index of the pending token
             draft = lookup_continuation(tokens[: q + 1], cfg.max_ngram, k)
-            if draft:
+            guessed = bool(draft) and cfg.strategy in GUESS_CHECKING
+            if draft and not guessed:
                 p += out.step(len(draft), _matching_prefix(draft, tokens, q + 1), costs.verify(len(draft) + 1))
                 continue
         drafted, stopped = 0, False
@@ -119,9 +124,29 @@ def simulate(cfg: DraftConfig, cal: Agreement, costs: CostModel, adapter_cost: f
         n = 0
         while n < drafted and cal.match[p + n]:
             n += 1
-        p += out.step(drafted, n, (drafted + stopped) * t_draft + costs.verify_step(cfg, drafted, exit_cached=stopped))
+        passes = _guessed_passes(cal, tokens, start + p, p, drafted + stopped, cfg.max_ngram, k) if guessed else drafted + stopped
+        p += out.step(drafted, n, passes * t_draft + costs.verify_step(cfg, drafted, exit_cached=stopped))
     out.ar_time_s = out.tokens * costs.ar_step
     return out
+
+
+def _guessed_passes(cal, tokens: list[int], q: int, p: int, rows: int, max_ngram: int, k: int) -> int:
+    """Draft passes of a lookup-first draft that checks guesses (LayerSkipDrafter.
+    draft_guessed) producing `rows` draft rows at pending position p (absolute index q).
+    While the draft agrees with the target (cal.match) its tokens are the target's, so a copy
+    foretells them exactly where it equals the target; past the draft's first disagreement
+    its tokens are unknown, and its guesses are taken to fail (one row a pass)."""
+    passes, j = 0, 0
+    while j < rows:
+        passes += 1
+        guess = lookup_continuation(tokens[: q + 1 + j], max_ngram, k)[: max(k - j - 1, 0)] if all(cal.match[p : p + j]) else []
+        i = 0  # the pass's row i gives draft token j; the next row is usable if guess[i] is that token
+        while True:
+            j += 1
+            if j >= rows or i >= len(guess) or not (cal.match[p + j - 1] and guess[i] == tokens[q + j]):
+                break
+            i += 1
+    return passes
 
 
 def _matching_prefix(draft: list[int], tokens: list[int], at: int) -> int:
