@@ -120,7 +120,8 @@ def build_auto(cfg: DraftConfig, res: DraftResources, eos_ids: tuple[int, ...] =
         base = build(base_cfg, res, eos_ids)
         if source == "profile" and base_cfg.strategy in SELF_DRAFTING and not base_cfg.lookup_first:
             # greedy decoding takes a prompt-lookup match first (free drafts, which auto's
-            # acceptance estimate leaves out: Draft.copied); sampling does not
+            # acceptance estimate leaves out: Draft.copied), or, over a quantized copy, as a
+            # guess of that draft's own tokens (greedy and sampling: LookupFirstDrafter)
             base = LookupFirstDrafter(base, base_cfg, greedy_only=True)  # reported as the profile's draft
         return AutoDrafter(rt, cfg, eos_ids, base=base, costs=costs_for(base_cfg, res), source=source, prior=prior)
     n = cfg.draft_vocab
