@@ -14,8 +14,8 @@ each row is computed exactly as alone (selfspec/batch uses it). A verify pass ov
 produce *bit-identical* rows to T single-token steps (so speculative greedy output equals
 autoregressive output exactly, not just up to rounding).
 
-On the CPU (bf16 and fp32, x86-64 with AVX2 + FMA, or AVX-512) that holds by construction: one C call per
-attention / MLP sub-layer (kernels.FusedBlocks, csrc/blocks.c) whose matmuls are the
+On the CPU (bf16 and fp32, x86-64 with AVX2 + FMA, or AVX-512) that holds by construction: fused
+attention / MLP sub-layers, a pass's layers in one C call (kernels.FusedBlocks, csrc/blocks.c), whose matmuls are the
 fixed-chain kernel (csrc/gemm.c) and whose attention loops over exactly the visible keys in
 order; the final norm, LM head and soft-cap are the same kernels. Every row is computed alone
 with fixed reduction orders, whatever T, the thread count, alignment or the BLAS. (It was also
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
 import functools
 import logging
 
@@ -133,6 +134,7 @@ class Runtime:
         self.head = kernels.pack_rows(rows) if self.uses_kernels else rows.t().contiguous()  # [H, V]
         self._rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._rope_len = 0
+        self._layer_table = None  # _fused_layers' per-layer C arrays, made on first use
         self._last_masks: tuple = (None, {})
         s = spec
         self._q, self._kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
@@ -140,7 +142,7 @@ class Runtime:
         self._embed_scale = (
             None if s.embed_scale is None else torch.tensor(s.embed_scale, dtype=dtype).item()
         )
-        # CPU: one C call per sub-layer (kernels.FusedBlocks) instead of ~30 torch ops.
+        # CPU: fused sub-layers (kernels.FusedBlocks), all of a pass's layers in one C call, instead of ~30 torch ops each.
         self.blocks = None
         if self.uses_kernels:
             self.blocks = kernels.FusedBlocks(
@@ -336,29 +338,53 @@ class Runtime:
         """h [T, H] holds positions pos..pos+T-1 at the input of layer `start`; -> h after layer
         end-1, KV written at pos..pos+T-1. `capture`: layer indices (its keys) whose input h is
         wanted; each is filled with a copy [T, H] (the one layer loop every caller shares)."""
-        fused = self.blocks is not None
-        if fused:
+        if self.blocks is not None:
             h = h.contiguous().clone()  # updated in place below; callers keep their input
-            T, kinds = h.shape[0], self.spec.rope_kinds
-            rope = {k: (c[pos : pos + T], s[pos : pos + T]) for k, (c, s) in self._rope.items()}  # rows of these positions
-            threads = kernels.threads()
-        else:
-            masks = self.masks(pos, h.shape[0], cache)
+            T = h.shape[0]
+            if pos + T > self._rope_len:
+                raise ValueError(f"run_layers: positions up to {pos + T} beyond the rotary tables ({self._rope_len}); make the cache with new_cache")
+            kt, v = cache.kt, cache.v
+            seg = (ctypes.c_long * 8)(0, T, pos, cache.capacity, kt.data_ptr(), v.data_ptr(),
+                                      kt.stride(0) * kt.element_size(), v.stride(0) * v.element_size())
+            rope = [(c.data_ptr() + pos * c.stride(0) * 4, s.data_ptr() + pos * s.stride(0) * 4)  # fp32 rows pos..
+                    for c, s in self._rope.values()]
+            self._fused_layers(h, start, end, ctypes.addressof(seg), 1, rope, skip_attn, skip_mlp, capture)
+            return h
+        masks = self.masks(pos, h.shape[0], cache)
         windows = self.spec.sliding_windows
         for i in range(start, end):
             if capture is not None and i in capture:
                 capture[i] = h.clone()
             if i not in skip_attn:
-                if fused:
-                    self.blocks.attention(i, h, pos, cache, windows[i], *rope[kinds[i]], threads)
-                else:
-                    h = h + self._attention(i, h, pos, cache, masks[windows[i]])
+                h = h + self._attention(i, h, pos, cache, masks[windows[i]])
             if i not in skip_mlp:
-                if fused:
-                    self.blocks.mlp(i, h, threads)
-                else:
-                    h = h + self._mlp(i, h)
+                h = h + self._mlp(i, h)
         return h
+
+    def _fused_layers(self, h: torch.Tensor, start: int, end: int, segs_ptr: int, nseg: int, rope: list[tuple[int, int]],
+                      skip_attn: frozenset[int], skip_mlp: frozenset[int], capture: dict | None = None) -> None:
+        """Layers start..end-1 of the fused blocks over h in place, one C call per stretch between
+        captured layers. rope: (cos, sin) addresses of the [T, D] fp32 rows, in self._rope order."""
+        table = self._layer_table
+        if table is None:  # per-layer windows and rotary kinds, as C arrays, once
+            n, kinds = self.num_layers, list(self._rope)
+            table = self._layer_table = ((ctypes.c_long * n)(*[w or 0 for w in self.spec.sliding_windows]),
+                                         (ctypes.c_int * n)(*[kinds.index(k) for k in self.spec.rope_kinds]), {})
+        windows, kinds, skips = table
+        skip = skips.get((skip_attn, skip_mlp))
+        if skip is None:
+            skip = skips[(skip_attn, skip_mlp)] = (ctypes.c_ubyte * self.num_layers)(
+                *[(i in skip_attn) | 2 * (i in skip_mlp) for i in range(self.num_layers)])
+        cos = (ctypes.c_void_p * len(rope))(*[c for c, _ in rope])
+        sin = (ctypes.c_void_p * len(rope))(*[s for _, s in rope])
+        cuts = sorted(i for i in capture if start <= i < end) if capture else []
+        a, threads = start, kernels.threads()
+        for b in cuts + [end]:
+            if b > a:
+                self.blocks.run(h, a, b, segs_ptr, nseg, windows, kinds, cos, sin, skip, threads)
+            if b < end:
+                capture[b] = h.clone()
+            a = b
 
     def run_layers_batch(
         self,
@@ -381,14 +407,12 @@ class Runtime:
                 r0 += rows
             return torch.cat(parts) if parts else h
         h = h.contiguous().clone()
-        kinds, windows, threads = self.spec.rope_kinds, self.spec.sliding_windows, kernels.threads()
         idx = torch.tensor(segs.positions(), dtype=torch.long)
-        rope = {k: (c.index_select(0, idx), s.index_select(0, idx)) for k, (c, s) in self._rope.items()}  # [T, D] per row
-        for i in range(start, end):
-            if i not in skip_attn:
-                self.blocks.attention_batch(i, h, segs, windows[i], *rope[kinds[i]], threads)
-            if i not in skip_mlp:
-                self.blocks.mlp(i, h, threads)
+        if len(idx) and int(idx.max()) >= self._rope_len:
+            raise ValueError(f"run_layers_batch: positions beyond the rotary tables ({self._rope_len}); make the caches with new_cache")
+        rows = [(c.index_select(0, idx), s.index_select(0, idx)) for c, s in self._rope.values()]  # [T, D] per row
+        self._fused_layers(h, start, end, segs.ptr, segs.count, [(c.data_ptr(), s.data_ptr()) for c, s in rows],
+                           skip_attn, skip_mlp)
         return h
 
     def logits(self, h: torch.Tensor, head=None) -> torch.Tensor:

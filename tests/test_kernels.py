@@ -218,7 +218,7 @@ def test_unavailable_without_compiler(monkeypatch, tmp_path):
 def test_avx2_code_gives_the_avx512_bits(tmp_path, monkeypatch, dtype):
     """The kernels have AVX-512 and AVX2 code (csrc/simd.h) for the same chains: the library
     built with -mno-avx512f gives this build's bits for matmuls (1..13 rows, both weight dtypes,
-    a partial tile), quantized matmuls and whole attention / MLP blocks. (Where this CPU has no
+    a partial tile), quantized matmuls and a whole layer loop. (Where this CPU has no
     AVX-512 both libraries are AVX2 code: the test then only checks a second build agrees.)"""
     import ctypes
     import subprocess
@@ -236,9 +236,8 @@ def test_avx2_code_gives_the_avx512_bits(tmp_path, monkeypatch, dtype):
                                                          ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     alt.selfspec_qgemm.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                    ctypes.c_int, ctypes.c_int]
-    alt.selfspec_attn_block.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 2
-                                        + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int])
-    alt.selfspec_mlp_block.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long, ctypes.c_int]
+    alt.selfspec_layers_batch.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_long] * 2 + [ctypes.c_void_p, ctypes.c_long]
+                                          + [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 5 + [ctypes.c_int])
     bf = int(dtype == torch.bfloat16)
     g = torch.Generator().manual_seed(3)
     for k, n in ((640, 1536), (96, 200)):
@@ -256,24 +255,23 @@ def test_avx2_code_gives_the_avx512_bits(tmp_path, monkeypatch, dtype):
                 y = torch.empty(m, n, dtype=dtype)
                 assert alt.selfspec_qgemm(m, x.data_ptr(), bf, ctypes.addressof(qw.desc), y.data_ptr(), bf, 2) == 0
                 assert torch.equal(y, kernels.matmul(x, qw)), (bits, k, n, m)
-    # whole sub-layers: the alternative library reads the runtime's own layer descriptors
+    # whole layer loops: the alternative library reads the runtime's own layer descriptors
     monkeypatch.setattr("selfspec.kernels.weights.has_pairs", lambda: False)  # the FMA chain in both builds
     hf = build_hf("gemma3", seed=1, hidden_size=128, intermediate_size=256, vocab_size=256)
     rt = selfspec.load(hf, dtype=str(dtype).removeprefix("torch.")).runtime
-    fb, cache = rt.blocks, rt.new_cache(64)
+    L, mine, theirs = rt.num_layers, rt.new_cache(64), rt.new_cache(64)
     h = torch.randn(9, rt.spec.hidden_size, generator=g).to(dtype)
-    cos, sin = (t[:9].contiguous() for t in rt._rope[rt.spec.rope_kinds[0]])
-    kt, v = cache.kt, cache.v
-    for i in range(2):
-        a, b = h.clone(), h.clone()
-        fb.attention(i, a, 0, cache, None, cos, sin, 2)
-        a_kv = (kt[i].clone(), v[i].clone())
-        assert alt.selfspec_attn_block(fb._dims_ptr, fb._layer_ptrs[i], b.data_ptr(), 9, 0, kt[i].data_ptr(), v[i].data_ptr(),
-                                       cache.capacity, 0, cos.data_ptr(), sin.data_ptr(), 2) == 0
-        assert torch.equal(a, b) and torch.equal(kt[i], a_kv[0]) and torch.equal(v[i], a_kv[1]), i
-        fb.mlp(i, a, 2)
-        assert alt.selfspec_mlp_block(fb._dims_ptr, fb._layer_ptrs[i], b.data_ptr(), 9, 2) == 0
-        assert torch.equal(a, b), i
+    a = rt.run_layers(h, 0, L, 0, mine)  # this build, through the runtime (sliding and global layers)
+    b = h.clone()
+    kt, v = theirs.kt, theirs.v
+    seg = (ctypes.c_long * 8)(0, 9, 0, theirs.capacity, kt.data_ptr(), v.data_ptr(),
+                              kt.stride(0) * kt.element_size(), v.stride(0) * v.element_size())
+    windows, kinds, _ = rt._layer_table
+    cos = (ctypes.c_void_p * len(rt._rope))(*[c.data_ptr() for c, _ in rt._rope.values()])
+    sin = (ctypes.c_void_p * len(rt._rope))(*[s.data_ptr() for _, s in rt._rope.values()])
+    assert alt.selfspec_layers_batch(rt.blocks._dims_ptr, rt.blocks._layer_array, 0, L, b.data_ptr(), 9, ctypes.addressof(seg), 1,
+                                     windows, kinds, cos, sin, (ctypes.c_ubyte * L)(), 2) == 0
+    assert torch.equal(a, b) and torch.equal(mine.kt, theirs.kt) and torch.equal(mine.v, theirs.v)
 
 
 

@@ -15,7 +15,7 @@
  * Reductions used (each a fixed function of the row alone):
  *   sum of squares: 16 fp32 lanes over i = lane (mod 16), then lanes added 0..15 in order.
  *   score_j = chain over d: acc = fmaf(q[d], k[d][j], acc); then * scale.
- *   softmax: m = max_j s_j; e_j = expf(s_j - m); Z = ((e_lo + e_lo+1) + ...) in order.
+ *   softmax: m = max_j s_j; e_j = exp16(s_j - m) (lane-wise, below); Z = ((e_lo + e_lo+1) + ...) in order.
  *   out[d]  = chain over j: acc = fmaf(e_j, v[j][d], acc); then / Z.
  */
 #include "simd.h"
@@ -90,7 +90,7 @@ static void rope(float *x, const float *cs, const float *sn, long D) {
 /* e^x for 16 lanes (Cephes expf: x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial, scaled by
  * 2^n; ~1 ulp). Scalar libm calls made the activation the slowest part of the MLP block. */
 static inline vf16 exp16(vf16 x) {
-    x = vf_min(vf_max(x, vf_set1(-87.3f)), vf_set1(88.3f));
+    x = vf_min(vf_set1(88.3f), vf_max(vf_set1(-87.3f), x));  /* NaN stays NaN (x86 min/max return the second operand) */
     vf16 n = vf_round(vf_mul(x, vf_set1(1.44269504088896341f)));
     vf16 r = vf_fnmadd(n, vf_set1(0.693359375f), x);
     r = vf_fnmadd(n, vf_set1(-2.12194440e-4f), r);
@@ -139,6 +139,11 @@ static inline __attribute__((always_inline)) vf16 load16(const void *a, long i, 
     return vf_load_bf16((const uint16_t *)a + i, mk);
 }
 
+/* a hint that element i of a bf16 / fp32 array will be read soon (never faults) */
+SS_ALWAYS void prefetch_el(const void *a, long i, int f32) {
+    _mm_prefetch((const char *)a + i * (f32 ? 4 : 2), _MM_HINT_T0);
+}
+
 /* x[t] = norm(float(h[t])) for every row */
 static void norm_rows(const void *h, int f32, float *x, long T, long H, const float *w, float eps) {
     for (long t = 0; t < T; t++) {
@@ -162,13 +167,16 @@ static void add_residual(void *h, int f32, float *o, long T, long H, const float
  *   1. scores over the union of the rows' key ranges, one pass over the keys per kv head:
  *      each 16-key slice of K is loaded once per d and used by up to 8 query rows (the
  *      g query heads sharing a kv head, and the T rows); work items = (kv head, key block);
- *   2. per row: max, e_j = expf(s_j - m), Z summed in key order, over its own keys only;
- *   3. per (row, 64-wide slice of d): out = sum_j e_j v_j in key order, / Z.
+ *   2. per row: max, e_j = exp16(s_j - m), Z summed in key order, over its own keys only;
+ *   3. per (t, kv head, up to 4 of its query heads, 64-wide slice of d): out = sum_j e_j v_j in
+ *      key order, / Z, each value slice loaded once for those heads.
  * Scores a row computes for keys outside its range are never read. */
 #ifdef __AVX512F__
 #define ROWS_PER_PASS 8
+#define HEADS_PER_VPASS 4  /* phase 3: 4 heads x 4 accumulators + 4 value slices + e: 25 of 32 registers */
 #else
 #define ROWS_PER_PASS 6  /* 6 rows x 2 ymm accumulators + the key slice + q: 15 of 16 registers */
+#define HEADS_PER_VPASS 1  /* 4 accumulators of 2 ymm each + the value slice: no room for a second head */
 #endif
 
 /* scores of RC query rows against one 16-key slice: out[r][j] = scale * chain over d of
@@ -181,12 +189,42 @@ static inline __attribute__((always_inline)) void score_rows(
     for (int r = 0; r < RC; r++) acc[r] = vf_zero();
     for (long e = 0; e < D; e++) {
         vf16 kv = load16(kt, kp + e * cap, mk, f32);
+        prefetch_el(kt, kp + 32 + e * cap, f32);  /* the next line of this d-row: rows are cap apart, beyond the hardware prefetchers */
         _Pragma("GCC unroll 8")
         for (int r = 0; r < RC; r++) acc[r] = vf_fmadd(vf_set1(qp[r][e]), kv, acc[r]);
     }
     _Pragma("GCC unroll 8")
     for (int r = 0; r < RC; r++) vf_mask_storeu(out[r], mk, vf_mul(acc[r], vf_set1(scale)));
 }
+/* phase 3 for HC heads of one kv head and one 64-wide slice of d (dl <= 64 lanes used):
+ * out_h[d] = (chain over j of fmaf(e_h[j], v[j][d], .)) / Z_h, e_h = s + h * lds */
+static inline __attribute__((always_inline)) void value_rows(
+    const int HC, const float *s, long lds, const void *vc, long vb, long n, long D, long dl, const float *z,
+    float *out, long ldo, const int f32) {
+    m16 mk[4];
+    for (int c = 0; c < 4; c++) mk[c] = lanes16(dl - 16 * c);
+    vf16 acc[HEADS_PER_VPASS][4];
+    _Pragma("GCC unroll 4")
+    for (int h = 0; h < HC; h++)
+        for (int c = 0; c < 4; c++) acc[h][c] = vf_zero();
+    for (long j = 0; j < n; j++) {
+        vf16 vv[4];
+        for (int c = 0; c < 4; c++) vv[c] = load16(vc, vb + j * D + 16 * c, mk[c], f32);
+        prefetch_el(vc, vb + (j + 8) * D, f32);  /* this slice 8 keys ahead (its lines are D apart) */
+        prefetch_el(vc, vb + (j + 8) * D + 32, f32);
+        _Pragma("GCC unroll 4")
+        for (int h = 0; h < HC; h++) {
+            vf16 e = vf_set1(s[h * lds + j]);
+            for (int c = 0; c < 4; c++) acc[h][c] = vf_fmadd(e, vv[c], acc[h][c]);
+        }
+    }
+    _Pragma("GCC unroll 4")
+    for (int h = 0; h < HC; h++) {
+        vf16 zz = vf_set1(z[h]);
+        for (int c = 0; c < 4; c++) vf_mask_storeu(out + h * ldo + 16 * c, mk[c], vf_div(acc[h][c], zz));
+    }
+}
+
 typedef struct {
     const float *qkv;
     long W;
@@ -243,32 +281,41 @@ static inline __attribute__((always_inline)) void attend_region_impl(const atten
         long n = p - lo + 1;
         float m = -INFINITY, z = 0.0f;
         for (long j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
-        for (long j = 0; j < n; j++) { s[j] = expf(s[j] - m); z += s[j]; }
+        const vf16 mm = vf_set1(m);
+        for (long j = 0; j < n; j += 16) {  /* e_j lane-wise: the same bits wherever j falls in a vector */
+            m16 mk = lanes16(n - j);
+            vf_mask_storeu(s + j, mk, exp16(vf_sub(vf_maskz_loadu(mk, s + j), mm)));
+        }
+        for (long j = 0; j < n; j++) z += s[j];
         zs[r] = z;
     }
     ss_barrier();
-    long nd = (D + 63) / 64;
-    ss_share(R * nd, tid, nt, &lo_, &hi_);
+    /* phase 3 in items (t, kv head, group of up to HEADS_PER_VPASS of its query heads, 64-wide
+     * slice of d): the heads of a group share the row's key range, so each value slice is
+     * loaded once for all of them, and their independent chains keep the FMA units busy (one
+     * head's four chains wait on the FMA latency). Each (row, d) chain is the same as alone. */
+    long nd = (D + 63) / 64, ng = (g + HEADS_PER_VPASS - 1) / HEADS_PER_VPASS;
+    ss_share(nt_rows * nkv * ng * nd, tid, nt, &lo_, &hi_);
     for (long item = lo_; item < hi_; item++) {
-        long r = item / nd, d0 = 64 * (item % nd);
-        long t = r / nh, a = r % nh, kvh = a / g, p = pos + t0 + t;
+        long d0 = 64 * (item % nd), rest = item / nd;
+        long grp = rest % ng, kvh = (rest / ng) % nkv, t = rest / (ng * nkv), p = pos + t0 + t;
+        long a0 = kvh * g + grp * HEADS_PER_VPASS, na = g - grp * HEADS_PER_VPASS;
+        if (na > HEADS_PER_VPASS) na = HEADS_PER_VPASS;
         long lo = first_key(p, window);
-        const float *s = sc + r * ld + (lo - lo0);
         long n = p - lo + 1, dl = D - d0 < 64 ? D - d0 : 64;
-        m16 mk[4];
-        for (int c = 0; c < 4; c++) mk[c] = lanes16(dl - 16 * c);
-        vf16 acc4[4] = {vf_zero(), vf_zero(), vf_zero(), vf_zero()};
         const long vb = kvh * cap * D + lo * D + d0;  /* element offset of key lo's slice */
-        for (long j = 0; j < n; j++) {
-            vf16 e = vf_set1(s[j]);
-            for (int c = 0; c < 4; c++) {
-                vf16 vv = load16(vc, vb + j * D + 16 * c, mk[c], f32);
-                acc4[c] = vf_fmadd(e, vv, acc4[c]);
-            }
+        switch (na) {  /* a constant head count per copy: the accumulators stay in registers */
+#if HEADS_PER_VPASS >= 4
+        case 4: value_rows(4, sc + (t * nh + a0) * ld + (lo - lo0), ld, vc, vb, n, D, dl, zs + t * nh + a0,
+                           att + (t0 + t) * Q + a0 * D + d0, D, f32); break;
+        case 3: value_rows(3, sc + (t * nh + a0) * ld + (lo - lo0), ld, vc, vb, n, D, dl, zs + t * nh + a0,
+                           att + (t0 + t) * Q + a0 * D + d0, D, f32); break;
+        case 2: value_rows(2, sc + (t * nh + a0) * ld + (lo - lo0), ld, vc, vb, n, D, dl, zs + t * nh + a0,
+                           att + (t0 + t) * Q + a0 * D + d0, D, f32); break;
+#endif
+        default: value_rows(1, sc + (t * nh + a0) * ld + (lo - lo0), ld, vc, vb, n, D, dl, zs + t * nh + a0,
+                            att + (t0 + t) * Q + a0 * D + d0, D, f32); break;
         }
-        vf16 zz = vf_set1(zs[r]);
-        float *out = att + (t0 + t) * Q + a * D + d0;
-        for (int c = 0; c < 4; c++) vf_mask_storeu(out + 16 * c, mk[c], vf_div(acc4[c], zz));
     }
 }
 
@@ -355,8 +402,8 @@ static int row_segments(const ss_seg *segs, long nseg, long T, long *seg_of) {
 
 /* h [T, hidden] (updated in place), rows given by segs (above); cos/sin: fp32 [T, head_dim],
  * the rotary rows of every row's own position. window <= 0: full causal. */
-int selfspec_attn_block_batch(const ss_dims *d, const ss_layer *w, void *h, long T, const ss_seg *segs, long nseg,
-                              long layer, long window, const float *cos, const float *sin, int nthreads) {
+static int attn_block_batch(const ss_dims *d, const ss_layer *w, void *h, long T, const ss_seg *segs, long nseg,
+                            long layer, long window, const float *cos, const float *sin, int nthreads) {
     const long H = d->hidden, nh = d->heads, nkv = d->kv_heads, D = d->head_dim;
     const int f32 = d->f32, wbf = !f32;
     const long Q = nh * D, KV = nkv * D, W = Q + 2 * KV;
@@ -413,19 +460,7 @@ done:
     return rc;
 }
 
-/* One sequence: h [T, hidden] at positions pos..pos+T-1 (updated in place). kt: this layer's
- * keys [kv_heads, head_dim, cap], vc: values [kv_heads, cap, head_dim] (rows pos..pos+T-1 are
- * written). h, kt, vc: bf16 or fp32 (d->f32). cos/sin: fp32 [T, head_dim] rows for these
- * positions. window <= 0: full causal. The batch call with one segment. */
-int selfspec_attn_block(const ss_dims *d, const ss_layer *w, void *h, long T, long pos,
-                        void *kt, void *vc, long cap, long window,
-                        const float *cos, const float *sin, int nthreads) {
-    if (pos + T > cap) return 3;
-    ss_seg s = {0, T, pos, cap, (char *)kt, (char *)vc, 0, 0};
-    return selfspec_attn_block_batch(d, w, h, T, &s, 1, 0, window, cos, sin, nthreads);
-}
-
-int selfspec_mlp_block(const ss_dims *d, const ss_layer *w, void *h, long T, int nthreads) {
+static int mlp_block(const ss_dims *d, const ss_layer *w, void *h, long T, int nthreads) {
     const long H = d->hidden, I = d->inter;
     const int f32 = d->f32, wbf = !f32;
     float *x = malloc(sizeof(float) * T * H);
@@ -445,6 +480,24 @@ int selfspec_mlp_block(const ss_dims *d, const ss_layer *w, void *h, long T, int
     add_residual(h, f32, o, T, H, w->b_down, d->sandwich ? w->post_mlp_norm : NULL, d->eps);
 done:
     free(x); free(gu); free(a); free(o);
+    return rc;
+}
+
+/* A forward pass's layer loop in one call: layers start..end-1 over h [T, hidden], rows in
+ * `segs` (as attn_block_batch), attention then MLP per layer (a pass used to
+ * make these two foreign calls per layer from Python: ~0.2 ms a pass on the default model). layers[i]: layer i; windows[i]: its sliding window (<= 0: none); rope[i]:
+ * which of the cos/sin tables ([T, head_dim] fp32, one row per row of h) it uses; skip[i]:
+ * bit 0 skips its attention, bit 1 its MLP. */
+int selfspec_layers_batch(const ss_dims *d, const ss_layer *const *layers, long start, long end, void *h, long T,
+                          const ss_seg *segs, long nseg, const long *windows, const int *rope,
+                          const float *const *cos, const float *const *sin, const unsigned char *skip, int nthreads) {
+    int rc = 0;
+    for (long i = start; i < end && !rc; i++) {
+        if (!(skip[i] & 1))
+            rc = attn_block_batch(d, layers[i], h, T, segs, nseg, i, windows[i], cos[rope[i]], sin[rope[i]], nthreads);
+        if (!rc && !(skip[i] & 2))
+            rc = mlp_block(d, layers[i], h, T, nthreads);
+    }
     return rc;
 }
 

@@ -1,4 +1,4 @@
-"""Fused decoder sub-layers (csrc/blocks.c): one C call per attention or MLP sub-layer, and
+"""Fused decoder layers (csrc/blocks.c): a forward pass's whole layer loop in one C call, and
 the row-wise final norm and logit soft-cap."""
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ _ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 
 
 class FusedBlocks:
-    """One C call per attention / MLP sub-layer (residual stream, cache and matrices in one
-    storage dtype, bf16 or fp32; fp32 in between).
+    """Fused attention and MLP sub-layers, a pass's layers in one C call (residual stream,
+    cache and matrices in one storage dtype, bf16 or fp32; fp32 in between).
 
     Row-invariant like matmul (see csrc/blocks.c for the fixed reduction orders), so a verify
     pass over T rows equals T single-row steps bit for bit. `layers` are the runtime's layer
@@ -76,37 +76,22 @@ class FusedBlocks:
                     setattr(s, name, v.data_ptr())
                     self._keep.append(v)
             self.layers.append(s)
-        self._attn, self._mlp, self._attn_batch = build._blocks["attn"], build._blocks["mlp"], build._blocks["attn_batch"]
         self._dims_ptr = ctypes.addressof(self.dims)
         self._layer_ptrs = [ctypes.addressof(s) for s in self.layers]
+        self._run = build._blocks["layers"]
+        self._layer_array = (ctypes.c_void_p * len(self.layers))(*self._layer_ptrs)
 
-    def attention(self, i: int, h: torch.Tensor, pos: int, cache, window: int | None,
-                  cos: torch.Tensor, sin: torch.Tensor, threads: int) -> None:
-        """h [T, H] contiguous (self.dtype), updated in place; cache: a KVCache (self.dtype,
-        contiguous) whose layer-i rows pos..pos+T-1 are written; cos/sin fp32 [T, D] for
-        these positions."""
-        kt, v = cache.kt, cache.v  # [L, kv, D, cap] / [L, kv, cap, D]: layer i by pointer, no views
-        rc = self._attn(self._dims_ptr, self._layer_ptrs[i], h.data_ptr(), h.shape[0], pos,
-                        kt.data_ptr() + i * kt.stride(0) * kt.element_size(), v.data_ptr() + i * v.stride(0) * v.element_size(),
-                        cache.capacity, window or 0, cos.data_ptr(), sin.data_ptr(), threads)
+    def run(self, h: torch.Tensor, start: int, end: int, segs_ptr: int, nseg: int, windows, rope, cos, sin, skip,
+            threads: int) -> None:
+        """Layers start..end-1 over h [T, H] (contiguous, self.dtype, updated in place) in one C
+        call (csrc/blocks.c, selfspec_layers_batch): the attention and MLP calls below, in order.
+        segs_ptr/nseg: a segment table (cache.SegmentTable's layout); windows (c_long), rope
+        (c_int), skip (c_ubyte): one entry per layer; cos/sin: c_void_p arrays of the [T, D]
+        fp32 rotary tables that rope[i] indexes."""
+        rc = self._run(self._dims_ptr, self._layer_array, start, end, h.data_ptr(), h.shape[0], segs_ptr, nseg,
+                       windows, rope, cos, sin, skip, threads)
         if rc:
-            raise RuntimeError(f"kernels: attention block returned {rc}")
-
-    def attention_batch(self, i: int, h: torch.Tensor, segs, window: int | None,
-                        cos: torch.Tensor, sin: torch.Tensor, threads: int) -> None:
-        """Several sequences at once (csrc/blocks.c, selfspec_attn_block_batch): h [T, H] is the
-        concatenation of their rows, `segs` a SegmentTable (rows, position and KV cache of each
-        sequence), cos/sin fp32 [T, D] the rotary rows of every row's own position."""
-        rc = self._attn_batch(self._dims_ptr, self._layer_ptrs[i], h.data_ptr(), h.shape[0], segs.ptr, segs.count,
-                              i, window or 0, cos.data_ptr(), sin.data_ptr(), threads)
-        if rc:
-            raise RuntimeError(f"kernels: batched attention block returned {rc}")
-
-    def mlp(self, i: int, h: torch.Tensor, threads: int) -> None:
-        """h [T, H] contiguous (self.dtype), updated in place."""
-        rc = self._mlp(self._dims_ptr, self._layer_ptrs[i], h.data_ptr(), h.shape[0], threads)
-        if rc:
-            raise RuntimeError(f"kernels: MLP block returned {rc}")
+            raise RuntimeError(f"kernels: layer loop returned {rc}")
 
 
 def norm_rows(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -121,14 +121,9 @@ def _load():
             dll.selfspec_gemm_pairs_ref.restype = ctypes.c_int
             dll.selfspec_gemm_pairs_ref.argtypes = [ctypes.c_long] * 3 + [ctypes.c_void_p] * 3
             dll.selfspec_has_pairs.restype = ctypes.c_int
-            for name in ("selfspec_attn_block", "selfspec_mlp_block"):
-                getattr(dll, name).restype = ctypes.c_int
-            dll.selfspec_attn_block.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 2
-                                                + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int])
-            dll.selfspec_mlp_block.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long, ctypes.c_int]
-            dll.selfspec_attn_block_batch.restype = ctypes.c_int
-            dll.selfspec_attn_block_batch.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_long, ctypes.c_void_p]
-                                                      + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int])
+            dll.selfspec_layers_batch.restype = ctypes.c_int
+            dll.selfspec_layers_batch.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_long] * 2 + [ctypes.c_void_p, ctypes.c_long]
+                                                  + [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 5 + [ctypes.c_int])
             dll.selfspec_norm_rows.restype = ctypes.c_int
             dll.selfspec_norm_rows.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
                                                ctypes.c_float, ctypes.c_void_p]
@@ -153,7 +148,7 @@ def _load():
             dll.selfspec_exact_columns.argtypes = ([ctypes.c_long] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
                                                    + [ctypes.c_void_p] * 2 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_int])
             _lib = (fn, ref)
-            _blocks.update(attn=dll.selfspec_attn_block, mlp=dll.selfspec_mlp_block, attn_batch=dll.selfspec_attn_block_batch,
+            _blocks.update(layers=dll.selfspec_layers_batch,
                            norm_rows=dll.selfspec_norm_rows, softcap=dll.selfspec_softcap,
                            qgemm=dll.selfspec_qgemm, qgemm_ref=dll.selfspec_qgemm_ref,
                            pairs=bool(dll.selfspec_has_pairs()), pairs_ref=dll.selfspec_gemm_pairs_ref)
