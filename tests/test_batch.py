@@ -234,6 +234,34 @@ def test_planner_prices_self_drafts_by_their_measured_forward(monkeypatch):
     assert costs.draft_step(cheap, 3) == pytest.approx(costs.overhead + 0.003)
 
 
+def test_planner_grants_a_shared_draft_forward_to_the_whole_group(monkeypatch):
+    """A draft forward costs about the same for 1 row as for 8: one sequence's token never pays
+    for it, the group's eight do. The planner must see the joint move (granting one sequence
+    at a time it would stay at zero), and a plan whose predicted gain is within MARGIN of
+    decoding plainly is not taken."""
+    rows = (1, 2, 4, 8, 16, 32, 64, 128)
+    monkeypatch.setattr(planner, "measure_draft", lambda *a: {r: 1.0 for r in DRAFT_ROWS})
+    costs = BatchCosts({r: 2.0 + 0.01 * r for r in rows}, {r: 0.0 for r in rows}, overhead=0.0)
+    g = ("shared", 18, None, frozenset(), frozenset())
+    k = plan(costs, [_S(0.9)] * 8, [4] * 8, [g] * 8, 0, 0)
+    assert all(x >= 1 for x in k) and len(set(k)) == 1, k
+    own = [("own", i, None, frozenset(), frozenset()) for i in range(8)]  # no forward shared
+    assert plan(costs, [_S(0.9)] * 8, [4] * 8, own, 0, 0) == [0] * 8
+    # one token each: 8 (1 + alpha) / (1.0 + 2.16) s against 8 / 2.08 plain, i.e. 1.03x at
+    # alpha 0.55 (inside the margin: decode plainly) and 1.15x at 0.75
+    assert plan(costs, [_S(0.55)] * 8, [4] * 8, [g] * 8, 0, 0) == [0] * 8
+    assert plan(costs, [_S(0.75)] * 8, [4] * 8, [g] * 8, 0, 0) == [1] * 8
+    assert planner.MARGIN > 1.0
+
+
+def test_cost_scale_follows_measured_over_predicted():
+    cs = planner.CostScale(weight=0.5)
+    cs.observe((1.0, 2.0), (2.0, 2.0))
+    assert cs.scales == pytest.approx((1.5, 1.0))
+    cs.observe((0.0, 1.0), (5.0, 100.0))  # nothing predicted: no draft ratio; ratios clamped to 4
+    assert cs.scales == pytest.approx((1.5, 2.5))
+
+
 def test_measure_draft_times_the_draft_forward():
     m = _ideal("float32")
     rt = m.runtime

@@ -32,7 +32,7 @@ from dataclasses import replace
 import torch
 
 from selfspec.batch.passes import Part, draft_depth, signature, staged_forward, verify_part
-from selfspec.batch.planner import BatchCosts, plan_with_probes
+from selfspec.batch.planner import BatchCosts, CostScale, plan_with_probes, predicted
 from selfspec.batch.sequence import BatchHandle, BatchRequest, Sequence
 from selfspec.config import MAX_SPECULATIONS
 from selfspec.sampling import Rows
@@ -78,6 +78,8 @@ class BatchEngine:
         self.steps = 0
         self.longest_stall_s = 0.0  # the longest step while some sequence was decoding
         self.last_plan: list[int] = []
+        self.cost_scale = CostScale()  # measured / predicted draft and verify seconds (planner.CostScale)
+        self._predicted: tuple[float, float] | None = None  # this step's, when the planner ran
 
     # ---- the interface -----------------------------------------------------------------
 
@@ -182,14 +184,19 @@ class BatchEngine:
         t0 = clock()
         for s in batched:
             s.new_step()
+        self._predicted = None
         self._plan(batched, prefill)
         for s in batched:
             if s.kind == "free" and s.planned_k and not s.draft.tokens:  # greedy: made while planning
                 s.draft = s.actor.draft(replace(s.step, k=s.planned_k))
+        td = clock()
         draft_depth([s for s in batched if s.kind == "depth"])
         t1 = clock()
         parts = [verify_part(s) for s in batched] + [p for _, p in prefill]
+        tv = clock()
         logits = staged_forward(self.rt, parts)
+        if self._predicted is not None:
+            self.cost_scale.observe(self._predicted, (t1 - td, clock() - tv))
         for s, lg in zip(batched, logits):
             self._accept(s, lg)
         for (s, p), lg in zip(prefill, logits[len(batched):]):
@@ -250,16 +257,19 @@ class BatchEngine:
         if self._costs is None:
             self._costs = batch_costs(self.rt)
         groups = [signature(s) if s.kind == "depth" else None for s in greedy]
-        ks, worth = plan_with_probes(self._costs, greedy, caps, groups, sum(len(p.ids) for _, p in prefill),
-                                     sum(p.logits != "none" for _, p in prefill))
+        p_rows, p_logits = sum(len(p.ids) for _, p in prefill), sum(p.logits != "none" for _, p in prefill)
+        ks, worth = plan_with_probes(self._costs, greedy, caps, groups, p_rows, p_logits, self.cost_scale.scales)
         self.last_plan = ks
-        for s, k, cap, w in zip(greedy, ks, caps, worth):
-            k = self._probe(s, k, cap if w else 0)
+        for i, (s, k, cap, w) in enumerate(zip(greedy, ks, caps, worth)):
+            k = ks[i] = self._probe(s, k, cap if w else 0)
             s.planned_k = k
             if s.kind == "free":
                 s.draft.tokens, s.draft.dists = s.draft.tokens[:k], s.draft.dists[:k]
             if s.auto is not None:
                 s.auto.decisions.append(k)
+        if len(greedy) == len(seqs):  # the pass is all planned rows: its cost is the tables' to predict
+            rows = p_rows + sum(k + 1 for k in ks)
+            self._predicted = predicted(self._costs, ks, groups, rows, p_logits + sum(k + 1 for k in ks))
 
     @staticmethod
     def _probe(s: Sequence, k: int, cap: int) -> int:

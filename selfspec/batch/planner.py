@@ -9,9 +9,9 @@ expected tokens per second
 
     sum_i E[N](alpha_i, k_i) / (t_draft(k) + t_verify(P + sum_i (k_i + 1)))
 
-over k_i in 0..cap_i, greedily: starting from k = 0, repeatedly grant the one extra draft
-token that raises the objective most, until none does. E[N] grows by alpha_i^(k_i+1) per
-token; t_verify comes from BatchCosts measured over total row counts (the per-sequence
+over k_i in 0..cap_i, greedily: starting from k = 0, repeatedly take the move that raises
+the objective most (more tokens for one sequence, or for every sequence sharing a draft
+forward), until none does. E[N] grows by alpha_i^(k_i+1) per token; t_verify comes from BatchCosts measured over total row counts (the per-sequence
 predictor.costs stops at 17 rows), and a self-draft's extra token costs the rows it adds
 to its group's draft forwards (timed per draft signature on first use: measure_draft). Decisions never change output (every draft is verified);
 they are used for greedy decoding only (module sequence.py says why not when sampling).
@@ -29,6 +29,10 @@ from selfspec.cache import SegmentTable
 from selfspec.predictor.costs import time_call
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+# A plan must beat drafting nothing by this factor: a smaller predicted gain is within the
+# error of the cost tables and acceptances (at 8 sequences of the default model a plan
+# predicted at +2-7% measured 0.94-1.0x plain decoding).
+MARGIN = 1.05
 
 
 @dataclass
@@ -141,57 +145,150 @@ def plan(costs: BatchCosts, seqs: list, caps: list[int], groups: list, prefill_r
 
 
 def plan_with_probes(costs: BatchCosts, seqs: list, caps: list[int], groups: list, prefill_rows: int,
-                     prefill_logits: int) -> tuple[list[int], list[bool]]:
+                     prefill_logits: int, scales: tuple[float, float] = (1.0, 1.0)) -> tuple[list[int], list[bool]]:
     """(k, worth_probing): draft lengths k_i (0..caps[i]) maximising expected tokens per second
     of this step, and for each sequence whether one draft token would pay if it were surely
     accepted. A sequence kept at 0 only because rows are dear (a compute-bound step: a big
     batch, a prefill chunk riding along) has nothing to learn from a probe; one kept at 0 for
     its low acceptance does.
     groups[i]: None (free drafts) or the draft signature (draft_rt, exit, head, skips...) of sequence i.
-    Each round grants the run of m >= 1 extra tokens to one sequence that raises the objective
-    most (a run, not one token: a self-draft's first token pays a whole draft forward)."""
-    n = len(seqs)
-    k = [0] * n
-    gain, rows, t_draft = float(n), prefill_rows + n, 0.0  # every sequence gets its verifier token
-    per_group: dict = {}  # signature -> number of sequences drafting at each draft step j
+    scales: (draft, verify) multipliers of the measured tables (the engine's running ratio of
+    seconds taken to seconds predicted: the tables were timed once, the machine drifts).
+    Each round takes the move that raises the objective most (_Plan.moves), until none does;
+    a plan that beats drafting nothing by less than MARGIN is dropped."""
+    p = _Plan(costs, seqs, caps, groups, prefill_rows, prefill_logits, scales)
+    plain = p.value
+    while (best := p.best_move()) is not None:
+        p.take(*best)
+    if p.value < plain * MARGIN:  # a predicted gain inside the tables' error: decode plainly
+        p = _Plan(costs, seqs, caps, groups, prefill_rows, prefill_logits, scales)
+    return p.k, p.worth()
 
-    # The prefill chunk riding along is paid whatever is drafted: decoding is charged only
-    # what its rows add to the pass. Charging the whole pass would make every draft token
-    # look cheap next to it and the batch would draft hard exactly when rows are dearest
-    # (measured: 16 sequences drafted ~30 tokens a step during prefill, then finished
-    # unevenly and decoded the tail at low occupancy; 0.85x autoregressive).
-    base = costs.verify(prefill_rows, prefill_logits) if prefill_rows else 0.0
 
-    def t_verify(r: int) -> float:  # floored: a noisy flat table must not make decode rows free (or divide by 0)
-        return max(costs.verify(r, r - prefill_rows + prefill_logits) - base, 1e-6)
+class _Plan:
+    """The planner's state: draft lengths k, expected tokens (gain), verify rows and draft
+    seconds so far, and the objective value = gain / (t_draft + t_verify(rows))."""
 
-    def step_delta(g, j: int) -> float:
-        steps = per_group.get(g, [])
-        r = steps[j] if j < len(steps) else 0
-        return costs.draft_step(g, r + 1) - costs.draft_step(g, r)
+    def __init__(self, costs: BatchCosts, seqs: list, caps: list[int], groups: list, prefill_rows: int,
+                 prefill_logits: int, scales: tuple[float, float]):
+        n = self.n = len(seqs)
+        self.costs, self.caps, self.groups = costs, caps, groups
+        self.prefill_rows, self.prefill_logits = prefill_rows, prefill_logits
+        self.alphas = [s.alpha for s in seqs]
+        self.k = [0] * n
+        self.gain, self.rows, self.t_draft = float(n), prefill_rows + n, 0.0  # every sequence gets its verifier token
+        sd, self.sv = scales
+        # A group's draft forward at r rows, r = 0..n (draft step j runs the group's sequences
+        # with k_i > j): looked up once here, not per candidate move.
+        self.fwd = {g: [sd * costs.draft_step(g, r) for r in range(n + 1)] for g in set(groups) if g is not None}
+        self.per_group: dict = {g: [] for g in self.fwd}  # g -> its sequences drafting at each draft step j
+        self.members = {g: [i for i in range(n) if groups[i] == g] for g in self.fwd}
+        # The prefill chunk riding along is paid whatever is drafted: decoding is charged only
+        # what its rows add to the pass. Charging the whole pass would make every draft token
+        # look cheap next to it and the batch would draft hard exactly when rows are dearest
+        # (measured: 16 sequences drafted ~30 tokens a step during prefill, then finished
+        # unevenly and decoded the tail at low occupancy; 0.85x autoregressive).
+        self.base = self.sv * costs.verify(prefill_rows, prefill_logits) if prefill_rows else 0.0
+        self._tv: dict[int, float] = {}
+        self.value = self.gain / (self.t_draft + self.t_verify(self.rows))
 
-    value = gain / (t_draft + t_verify(rows))
-    while True:
-        best, best_v = None, value * 1.0001
-        for i in range(n):
-            dg, dt = 0.0, 0.0
+    def t_verify(self, r: int) -> float:  # floored: a noisy flat table must not make decode rows free (or divide by 0)
+        t = self._tv.get(r)
+        if t is None:
+            t = self._tv[r] = max(self.sv * self.costs.verify(r, r - self.prefill_rows + self.prefill_logits) - self.base, 1e-6)
+        return t
+
+    def added_cost(self, g, levels: dict[int, int]) -> float:
+        """Draft seconds that `levels` (draft step j -> sequences added at it) add to group g."""
+        steps, f = self.per_group[g], self.fwd[g]
+        return sum(f[(steps[j] if j < len(steps) else 0) + a] - f[steps[j] if j < len(steps) else 0] for j, a in levels.items())
+
+    def moves(self):
+        """(grants {i: m_i}, expected tokens added, draft seconds added, rows added) of every
+        candidate: a run of m >= 1 tokens for one sequence (a run, not one token: a
+        self-draft's first token pays a whole draft forward), or m more for every sequence of
+        one draft group at once (their forwards are shared: at 8 sequences one int8 draft
+        forward costs ~1.4x one sequence's, so no single sequence's token pays for it while
+        the group's eight do)."""
+        k, caps, groups, alphas = self.k, self.caps, self.groups, self.alphas
+        seen = set()
+        for i in range(self.n):
+            state = (alphas[i], k[i], caps[i], groups[i])  # equal states, equal moves: the first stands for all
+            if state in seen:
+                continue
+            seen.add(state)
+            dg = dt = 0.0
             for m in range(1, caps[i] - k[i] + 1):
                 j = k[i] + m - 1
-                dg += expected_gain(seqs[i].alpha, j)
-                dt += 0.0 if groups[i] is None else step_delta(groups[i], j)
-                v = (gain + dg) / (t_draft + dt + t_verify(rows + m))
-                if v > best_v:
-                    best, best_v = (i, m, dg, dt), v
-        if best is None:
-            worth = [caps[i] > 0 and (gain + 1.0) / (t_draft + (0.0 if groups[i] is None else step_delta(groups[i], k[i]))
-                                                      + t_verify(rows + 1)) > value * 1.0001 for i in range(n)]
-            return k, worth
-        i, m, dg, dt = best
-        if groups[i] is not None:
-            steps = per_group.setdefault(groups[i], [])
-            for j in range(k[i], k[i] + m):
-                while len(steps) <= j:
-                    steps.append(0)
-                steps[j] += 1
-        k[i] += m
-        gain, rows, t_draft, value = gain + dg, rows + m, t_draft + dt, best_v
+                dg += expected_gain(alphas[i], j)
+                if groups[i] is not None:
+                    dt += self.added_cost(groups[i], {j: 1})
+                yield {i: m}, dg, dt, m
+        for g, idx in self.members.items():
+            open_ = [i for i in idx if k[i] < caps[i]]
+            if len(open_) < 2:
+                continue
+            for m in range(1, max(caps[i] - k[i] for i in open_) + 1):
+                grants = {i: min(m, caps[i] - k[i]) for i in open_}
+                levels: dict[int, int] = {}
+                dg = 0.0
+                for i, mi in grants.items():
+                    for j in range(k[i], k[i] + mi):
+                        levels[j] = levels.get(j, 0) + 1
+                        dg += expected_gain(alphas[i], j)
+                yield grants, dg, self.added_cost(g, levels), sum(grants.values())
+
+    def best_move(self):
+        best, best_v = None, self.value * 1.0001
+        for grants, dg, dt, dr in self.moves():
+            v = (self.gain + dg) / (self.t_draft + dt + self.t_verify(self.rows + dr))
+            if v > best_v:
+                best, best_v = (grants, dg, dt, dr, v), v
+        return best
+
+    def take(self, grants: dict[int, int], dg: float, dt: float, dr: int, value: float) -> None:
+        for i, m in grants.items():
+            g = self.groups[i]
+            if g is not None:
+                steps = self.per_group[g]
+                for j in range(self.k[i], self.k[i] + m):
+                    while len(steps) <= j:
+                        steps.append(0)
+                    steps[j] += 1
+            self.k[i] += m
+        self.gain, self.rows, self.t_draft, self.value = self.gain + dg, self.rows + dr, self.t_draft + dt, value
+
+    def worth(self) -> list[bool]:
+        """Whether one more surely accepted token of each sequence would raise the objective."""
+        return [self.caps[i] > 0 and (self.gain + 1.0) / (
+            self.t_draft + (0.0 if self.groups[i] is None else self.added_cost(self.groups[i], {self.k[i]: 1}))
+            + self.t_verify(self.rows + 1)) > self.value * 1.0001 for i in range(self.n)]
+
+
+def predicted(costs: BatchCosts, ks: list[int], groups: list, rows: int, logit_rows: int) -> tuple[float, float]:
+    """(draft, verify) seconds the tables predict for a plan: each group's draft forwards (draft
+    step j runs its sequences with k_i > j) and one verify pass over `rows` rows."""
+    draft = 0.0
+    for g in {g for g in groups if g is not None}:
+        mine = [k for k, h in zip(ks, groups) if h == g]
+        draft += sum(costs.draft_step(g, sum(k > j for k in mine)) for j in range(max(mine, default=0)))
+    return draft, costs.verify(rows, logit_rows)
+
+
+class CostScale:
+    """Running ratios of measured to predicted seconds (draft forwards, verify passes), so that
+    the planner weighs the two at today's speeds: both are measured in the same steps, so a
+    drift of the machine (1.5x over minutes on the reference VM) cancels out of the choice."""
+
+    def __init__(self, weight: float = 0.2):
+        self.draft, self.verify, self.weight = 1.0, 1.0, weight
+
+    def observe(self, predicted_s: tuple[float, float], measured_s: tuple[float, float]) -> None:
+        for name, p, m in zip(("draft", "verify"), predicted_s, measured_s):
+            if p > 0 and m > 0:
+                ratio = min(4.0, max(0.25, m / p))
+                setattr(self, name, (1 - self.weight) * getattr(self, name) + self.weight * ratio)
+
+    @property
+    def scales(self) -> tuple[float, float]:
+        return self.draft, self.verify
