@@ -25,6 +25,9 @@ For every strategy (`default`: the server's own, no `selfspec` field; any other 
 per request) and every client count N: N clients each stream --rounds requests at once;
 reports aggregate tokens/s, p50 time to first token, the longest gap between two chunks any
 client saw (a stall), and whether every output equals solo greedy decoding (computed here).
+With --repeats R the strategies take turns at each client count R times and a cell is the
+median run: the machine's speed drifts, and a strategy measured minutes after another is
+not comparable to it.
 """
 
 from __future__ import annotations
@@ -157,33 +160,49 @@ async def openai_stream(client, model_name: str, prompt: str, max_tokens: int, e
 
 
 async def sweep(args, url: str, model_name: str, refs: dict[str, str]) -> list[dict]:
-    """Every strategy x client count (module doc, sweep mode)."""
+    """Every strategy x client count (module doc, sweep mode). The strategies take turns at
+    each client count, --repeats times (the order flipping each time), so that a drift of the
+    machine's speed over minutes lands on all of them alike; a cell reports the median run
+    (by tok/s) and counts every run's outputs."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=args.request_timeout)
-    rows = []
-    for strategy in args.strategies.split(","):
-        extra = None if strategy == "default" else {"strategy": strategy}
-        await openai_stream(client, model_name, PROMPTS[0], 8, extra)  # warm-up of this strategy
-        for n in [int(c) for c in args.clients_list.split(",")]:
-            prompts = [PROMPTS[(i * args.rounds + r) % len(PROMPTS)] for i in range(n) for r in range(args.rounds)]
+    strategies = args.strategies.split(",")
+    extras = {s: None if s == "default" else {"strategy": s} for s in strategies}
+    for strategy in strategies:
+        await openai_stream(client, model_name, PROMPTS[0], 8, extras[strategy])  # warm-up of this strategy
+    runs: dict[tuple[str, int], list[dict]] = {}
+    for n in [int(c) for c in args.clients_list.split(",")]:
+        prompts = [PROMPTS[(i * args.rounds + r) % len(PROMPTS)] for i in range(n) for r in range(args.rounds)]
+        for rep in range(args.repeats):
+            for strategy in strategies if rep % 2 == 0 else strategies[::-1]:
+                extra = extras[strategy]
 
-            async def one_client(i):
-                return [await openai_stream(client, model_name, prompts[i * args.rounds + r], args.max_tokens, extra)
-                        for r in range(args.rounds)]
+                async def one_client(i):
+                    return [await openai_stream(client, model_name, prompts[i * args.rounds + r], args.max_tokens, extra)
+                            for r in range(args.rounds)]
 
-            t0 = time.perf_counter()
-            results = [x for xs in await asyncio.gather(*(one_client(i) for i in range(n))) for x in xs]
-            wall = time.perf_counter() - t0
-            row = {"strategy": strategy, "clients": n, "requests": len(results), "wall_s": wall,
-                   "tok_s": sum(r["tokens"] for r in results) / wall, "ttft_p50_s": pct([r["ttft"] for r in results], 0.5),
-                   "longest_stall_s": max(r["gap"] for r in results),
-                   "identical": sum(r["text"] == refs[p] for r, p in zip(results, prompts))}
-            rows.append(row)
-            print(f"  {strategy:>14} {n:>3} clients: {row['tok_s']:7.1f} tok/s, TTFT p50 {row['ttft_p50_s'] * 1000:6.0f} ms, "
-                  f"longest stall {row['longest_stall_s'] * 1000:6.0f} ms, identical {row['identical']}/{len(results)}",
-                  file=sys.stderr, flush=True)
+                t0 = time.perf_counter()
+                results = [x for xs in await asyncio.gather(*(one_client(i) for i in range(n))) for x in xs]
+                wall = time.perf_counter() - t0
+                run = {"strategy": strategy, "clients": n, "requests": len(results), "wall_s": wall,
+                       "tok_s": sum(r["tokens"] for r in results) / wall, "ttft_p50_s": pct([r["ttft"] for r in results], 0.5),
+                       "longest_stall_s": max(r["gap"] for r in results),
+                       "identical": sum(r["text"] == refs[p] for r, p in zip(results, prompts))}
+                runs.setdefault((strategy, n), []).append(run)
+                print(f"  {strategy:>14} {n:>3} clients: {run['tok_s']:7.1f} tok/s, TTFT p50 {run['ttft_p50_s'] * 1000:6.0f} ms, "
+                      f"longest stall {run['longest_stall_s'] * 1000:6.0f} ms, identical {run['identical']}/{len(results)}",
+                      file=sys.stderr, flush=True)
     await client.close()
+    rows = []
+    for strategy in strategies:
+        for (s_, n), cell in runs.items():
+            if s_ != strategy:
+                continue
+            row = dict(sorted(cell, key=lambda r: r["tok_s"])[(len(cell) - 1) // 2])  # the median run (lower of two)
+            row.update(requests=sum(r["requests"] for r in cell), identical=sum(r["identical"] for r in cell),
+                       runs_tok_s=[r["tok_s"] for r in cell], longest_stall_s=max(r["longest_stall_s"] for r in cell))
+            rows.append(row)
     return rows
 
 
@@ -371,12 +390,15 @@ def main(argv=None) -> int:
     ap.add_argument("--clients-list", default="1,4,8,16", help="sweep: client counts (default %(default)s)")
     ap.add_argument("--strategies", default="autoregressive,default", help="sweep: strategies; default = the server's (default %(default)s)")
     ap.add_argument("--rounds", type=int, default=1, help="sweep: requests per client (default %(default)s)")
+    ap.add_argument("--repeats", type=int, default=1, help="sweep: runs of each cell, strategies taking turns (default %(default)s)")
     ap.add_argument("--hf-clients", default="1,8", help="sweep: request counts for transformers' generate_batch on the same prompts ('' = none; default %(default)s)")
     ap.add_argument("--max-batch", type=int, default=None, help="the server's --max-batch (default: its own)")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="the server's --prefill-chunk (default: its own)")
     args = ap.parse_args(argv)
     if not (1 <= args.clients <= 64 and 1 <= args.requests <= 1000 and 1 <= args.prompts <= len(PROMPTS)):
         ap.error("--clients must be in 1..64, --requests in 1..1000, --prompts in 1..%d" % len(PROMPTS))
+    if not (1 <= args.rounds <= 100 and 1 <= args.repeats <= 20):
+        ap.error("--rounds must be in 1..100 and --repeats in 1..20")
     raw = args.hf_clients
     try:
         args.hf_clients = [int(c) for c in raw.split(",") if c.strip()]  # parsed once, here
@@ -420,11 +442,13 @@ def print_sweep(report: dict, args) -> int:
     rows = report["sweep"]
     print(f"model {report['model']} ({args.dtype}), greedy, {args.max_tokens} new tokens, openai client over loopback; "
           f"load average {os.getloadavg()[0]:.1f}")
-    print("| strategy | clients | tok/s | x 1 client | TTFT p50 (ms) | longest stall (ms) | identical to solo |")
-    print("|---|---|---|---|---|---|---|")
+    plain = {r["clients"]: r["tok_s"] for r in rows if r["strategy"] == "autoregressive"}
+    print("| strategy | clients | tok/s | x 1 client | x autoregressive | TTFT p50 (ms) | longest stall (ms) | identical to solo |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         base = next(b for b in rows if b["strategy"] == r["strategy"])["tok_s"]
-        print(f"| {r['strategy']} | {r['clients']} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f} | {r['ttft_p50_s'] * 1000:.0f} | "
+        vs = f"{r['tok_s'] / plain[r['clients']]:.2f}" if r["clients"] in plain else ""
+        print(f"| {r['strategy']} | {r['clients']} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f} | {vs} | {r['ttft_p50_s'] * 1000:.0f} | "
               f"{r['longest_stall_s'] * 1000:.0f} | {r['identical']}/{r['requests']} |")
     hf = report.get("transformers") or []
     if hf:
