@@ -59,6 +59,14 @@ class KVCache:
         return ((total_tokens + block - 1) // block) * block
 
 
+def segment_row(cache: "KVCache", pos: int, rows: int, row0: int = 0) -> tuple[int, ...]:
+    """The 8 longs of one segment as csrc/blocks.c reads them (ss_seg): first row, rows, first
+    position, capacity, key and value base addresses, their layer strides in bytes."""
+    kt, v = cache.kt, cache.v
+    return (row0, rows, pos, cache.capacity, kt.data_ptr(), v.data_ptr(),
+            kt.stride(0) * kt.element_size(), v.stride(0) * v.element_size())
+
+
 class SegmentTable:
     """The rows of a batched forward (Runtime.run_layers_batch): consecutive runs of rows, one
     per sequence, each with its own KVCache and first position. `segments` are
@@ -72,9 +80,7 @@ class SegmentTable:
         self.rows = sum(r for _, _, r in segments)
         table, row0 = [], 0
         for cache, pos, rows in segments:
-            kt, v = cache.kt, cache.v
-            table.append((row0, rows, pos, cache.capacity, kt.data_ptr(), v.data_ptr(),
-                          kt.stride(0) * kt.element_size(), v.stride(0) * v.element_size()))
+            table.append(segment_row(cache, pos, rows, row0))
             row0 += rows
         self._array = np.array(table, dtype=np.int64).reshape(-1, 8)
         self.ptr = self._array.ctypes.data

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from selfspec.architectures import ModelSpec, rotary_tables, weights_from_state_dict
 from selfspec import kernels
-from selfspec.cache import KVCache, SegmentTable
+from selfspec.cache import KVCache, SegmentTable, segment_row
 from selfspec.config import MAX_SPECULATIONS
 from selfspec.errors import SelfSpecError
 from selfspec.greedy_head import screened_head
@@ -343,11 +343,8 @@ class Runtime:
             T = h.shape[0]
             if pos + T > self._rope_len:
                 raise ValueError(f"run_layers: positions up to {pos + T} beyond the rotary tables ({self._rope_len}); make the cache with new_cache")
-            kt, v = cache.kt, cache.v
-            seg = (ctypes.c_long * 8)(0, T, pos, cache.capacity, kt.data_ptr(), v.data_ptr(),
-                                      kt.stride(0) * kt.element_size(), v.stride(0) * v.element_size())
-            rope = [(c.data_ptr() + pos * c.stride(0) * 4, s.data_ptr() + pos * s.stride(0) * 4)  # fp32 rows pos..
-                    for c, s in self._rope.values()]
+            seg = (ctypes.c_long * 8)(*segment_row(cache, pos, T))  # one sequence: no SegmentTable to build
+            rope = [(c[pos].data_ptr(), s[pos].data_ptr()) for c, s in self._rope.values()]  # rows pos.. (contiguous)
             self._fused_layers(h, start, end, ctypes.addressof(seg), 1, rope, skip_attn, skip_mlp, capture)
             return h
         masks = self.masks(pos, h.shape[0], cache)
@@ -407,9 +404,9 @@ class Runtime:
                 r0 += rows
             return torch.cat(parts) if parts else h
         h = h.contiguous().clone()
-        idx = torch.tensor(segs.positions(), dtype=torch.long)
-        if len(idx) and int(idx.max()) >= self._rope_len:
+        if max((p + r for _, p, r in segs.segments), default=0) > self._rope_len:
             raise ValueError(f"run_layers_batch: positions beyond the rotary tables ({self._rope_len}); make the caches with new_cache")
+        idx = torch.tensor(segs.positions(), dtype=torch.long)
         rows = [(c.index_select(0, idx), s.index_select(0, idx)) for c, s in self._rope.values()]  # [T, D] per row
         self._fused_layers(h, start, end, segs.ptr, segs.count, [(c.data_ptr(), s.data_ptr()) for c, s in rows],
                            skip_attn, skip_mlp)

@@ -79,7 +79,6 @@ class BatchEngine:
         self.longest_stall_s = 0.0  # the longest step while some sequence was decoding
         self.last_plan: list[int] = []
         self.cost_scale = CostScale()  # measured / predicted draft and verify seconds (planner.CostScale)
-        self._predicted: tuple[float, float] | None = None  # this step's, when the planner ran
 
     # ---- the interface -----------------------------------------------------------------
 
@@ -184,8 +183,7 @@ class BatchEngine:
         t0 = clock()
         for s in batched:
             s.new_step()
-        self._predicted = None
-        self._plan(batched, prefill)
+        predicted_s = self._plan(batched, prefill)
         for s in batched:
             if s.kind == "free" and s.planned_k and not s.draft.tokens:  # greedy: made while planning
                 s.draft = s.actor.draft(replace(s.step, k=s.planned_k))
@@ -195,8 +193,8 @@ class BatchEngine:
         parts = [verify_part(s) for s in batched] + [p for _, p in prefill]
         tv = clock()
         logits = staged_forward(self.rt, parts)
-        if self._predicted is not None:
-            self.cost_scale.observe(self._predicted, (t1 - td, clock() - tv))
+        if predicted_s is not None:
+            self.cost_scale.observe(predicted_s, (t1 - td, clock() - tv))
         for s, lg in zip(batched, logits):
             self._accept(s, lg)
         for (s, p), lg in zip(prefill, logits[len(batched):]):
@@ -228,8 +226,9 @@ class BatchEngine:
             budget -= take
         return out
 
-    def _plan(self, seqs: list[Sequence], prefill) -> None:
-        """seq.planned_k for every sequence (module doc, step 2)."""
+    def _plan(self, seqs: list[Sequence], prefill) -> tuple[float, float] | None:
+        """seq.planned_k for every sequence (module doc, step 2); -> the (draft, verify) seconds
+        the cost tables predict for this step when the planner decided all of its rows."""
         greedy = []
         for s in seqs:
             limit = s.step.k
@@ -246,7 +245,7 @@ class BatchEngine:
             if a is not None:
                 a.begin_step(s.planned_k)
         if not greedy:
-            return
+            return None
         caps = []
         for s in greedy:
             cap = s.step.k
@@ -267,9 +266,10 @@ class BatchEngine:
                 s.draft.tokens, s.draft.dists = s.draft.tokens[:k], s.draft.dists[:k]
             if s.auto is not None:
                 s.auto.decisions.append(k)
-        if len(greedy) == len(seqs):  # the pass is all planned rows: its cost is the tables' to predict
-            rows = p_rows + sum(k + 1 for k in ks)
-            self._predicted = predicted(self._costs, ks, groups, rows, p_logits + sum(k + 1 for k in ks))
+        if len(greedy) < len(seqs):  # rows the planner did not decide: not the tables' to predict
+            return None
+        decode_rows = sum(k + 1 for k in ks)
+        return predicted(self._costs, ks, groups, p_rows + decode_rows, p_logits + decode_rows)
 
     @staticmethod
     def _probe(s: Sequence, k: int, cap: int) -> int:

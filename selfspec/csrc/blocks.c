@@ -304,17 +304,15 @@ static inline __attribute__((always_inline)) void attend_region_impl(const atten
         long lo = first_key(p, window);
         long n = p - lo + 1, dl = D - d0 < 64 ? D - d0 : 64;
         const long vb = kvh * cap * D + lo * D + d0;  /* element offset of key lo's slice */
+        const float *e = sc + (t * nh + a0) * ld + (lo - lo0), *z = zs + t * nh + a0;  /* head a0's e_j, Z */
+        float *out = att + (t0 + t) * Q + a0 * D + d0;
         switch (na) {  /* a constant head count per copy: the accumulators stay in registers */
 #if HEADS_PER_VPASS >= 4
-        case 4: value_rows(4, sc + (t * nh + a0) * ld + (lo - lo0), ld, vc, vb, n, D, dl, zs + t * nh + a0,
-                           att + (t0 + t) * Q + a0 * D + d0, D, f32); break;
-        case 3: value_rows(3, sc + (t * nh + a0) * ld + (lo - lo0), ld, vc, vb, n, D, dl, zs + t * nh + a0,
-                           att + (t0 + t) * Q + a0 * D + d0, D, f32); break;
-        case 2: value_rows(2, sc + (t * nh + a0) * ld + (lo - lo0), ld, vc, vb, n, D, dl, zs + t * nh + a0,
-                           att + (t0 + t) * Q + a0 * D + d0, D, f32); break;
+        case 4: value_rows(4, e, ld, vc, vb, n, D, dl, z, out, D, f32); break;
+        case 3: value_rows(3, e, ld, vc, vb, n, D, dl, z, out, D, f32); break;
+        case 2: value_rows(2, e, ld, vc, vb, n, D, dl, z, out, D, f32); break;
 #endif
-        default: value_rows(1, sc + (t * nh + a0) * ld + (lo - lo0), ld, vc, vb, n, D, dl, zs + t * nh + a0,
-                            att + (t0 + t) * Q + a0 * D + d0, D, f32); break;
+        default: value_rows(1, e, ld, vc, vb, n, D, dl, z, out, D, f32); break;
         }
     }
 }

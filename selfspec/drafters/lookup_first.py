@@ -3,7 +3,7 @@ wrapped self-drafter's own), else the wrapped self-drafter."""
 
 from __future__ import annotations
 
-from selfspec.config import DraftConfig
+from selfspec.config import GUESS_CHECKING, DraftConfig
 from selfspec.drafters.base import Draft, Drafter
 from selfspec.drafters.lookup import PromptLookupDrafter
 from selfspec.lookup import lookup_continuation
@@ -13,7 +13,7 @@ class LookupFirstDrafter(Drafter):
     """The copy is the draft, and the wrapped drafter verifies it too (verify_foreign: a full
     forward pass, or early exit's split one), so any per-position state it keeps stays whole;
     its adaptation follows its own drafts only. Except where the wrapped drafter checks
-    guesses (checks_guesses: the quantized copy, which agrees with the model far more often
+    guesses (config.GUESS_CHECKING: the quantized copy, which agrees with the model far more often
     than a copy is accepted): there the copies are guesses of its own tokens
     (LayerSkipDrafter.draft_guessed: the same draft, the same random numbers, one pass for
     as long as a copy foretells it; after a disagreement, a new lookup of the context with
@@ -40,7 +40,7 @@ class LookupFirstDrafter(Drafter):
         self.inner.start(cache)
 
     def draft(self, step):
-        guesses = getattr(self.inner, "checks_guesses", False)  # a copy then changes only what a draft costs
+        guesses = self.inner.cfg.strategy in GUESS_CHECKING  # a copy then changes only what a draft costs
         if step.k <= 0 or not (step.sampling.greedy or guesses or not self.greedy_only):
             return self.inner.draft(step)
         d = self.lookup.draft(step)

@@ -16,8 +16,3 @@ class QuantizedDrafter(LayerSkipDrafter):
     the verifier's exact keys and values and no second cache exists."""
 
     name = "quantized"
-    # A lookup-first wrapper hands a prompt-lookup match to draft_guessed instead of having the
-    # full model verify the copy: the copy foretells this draft's own tokens (accepted ~90%
-    # of the time, as this copy agrees with the model) wherever they agree, and where they
-    # differ this draft is the likelier one (a copy is accepted ~50%).
-    checks_guesses = True

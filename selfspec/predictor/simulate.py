@@ -20,11 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from selfspec.config import DraftConfig
+from selfspec.config import GUESS_CHECKING, DraftConfig
 from selfspec.lookup import lookup_continuation
 from selfspec.predictor.costs import CostModel
-
-GUESS_CHECKING = ("quantized",)  # strategies whose lookup-first drafts check copies (drafters/quantized.py)
 
 
 def expected_tokens(alpha: float, k: int) -> float:
