@@ -171,6 +171,10 @@ static void tile_many(long M, long K, const float *xf, const void *wt, int w_bf1
                 const uint16_t *wk = (const uint16_t *)wt + (k0 + k) * ldw;
                 _mm_prefetch((const char *)(wk + PF * ldw), _MM_HINT_T0);
                 _mm_prefetch((const char *)(wk + PF * ldw) + 64, _MM_HINT_T0);
+                /* and two chunks ahead into L2, so the next chunk streams while this one computes
+                 * (Zen 4, packed bf16 from memory: 8 / 16 rows 1.18 / 1.12x) */
+                _mm_prefetch((const char *)(wk + 2 * KC * ldw), _MM_HINT_T1);
+                _mm_prefetch((const char *)(wk + 2 * KC * ldw) + 64, _MM_HINT_T1);
                 for (int j = 0; j < 4; j++) _mm512_store_ps(ws + k * NT + 16 * j, load_w_bf16(wk + 16 * j, mk[j]));
             }
         else
