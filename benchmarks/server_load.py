@@ -195,14 +195,11 @@ async def sweep(args, url: str, model_name: str, refs: dict[str, str]) -> list[d
                       file=sys.stderr, flush=True)
     await client.close()
     rows = []
-    for strategy in strategies:
-        for (s_, n), cell in runs.items():
-            if s_ != strategy:
-                continue
-            row = dict(sorted(cell, key=lambda r: r["tok_s"])[(len(cell) - 1) // 2])  # the median run (lower of two)
-            row.update(requests=sum(r["requests"] for r in cell), identical=sum(r["identical"] for r in cell),
-                       runs_tok_s=[r["tok_s"] for r in cell], longest_stall_s=max(r["longest_stall_s"] for r in cell))
-            rows.append(row)
+    for _, cell in sorted(runs.items(), key=lambda kv: strategies.index(kv[0][0])):  # by strategy, then clients
+        row = dict(sorted(cell, key=lambda r: r["tok_s"])[(len(cell) - 1) // 2])  # the median run (lower of two)
+        row.update(requests=sum(r["requests"] for r in cell), identical=sum(r["identical"] for r in cell),
+                   runs_tok_s=[r["tok_s"] for r in cell], longest_stall_s=max(r["longest_stall_s"] for r in cell))
+        rows.append(row)
     return rows
 
 

@@ -344,7 +344,8 @@ class Runtime:
             if pos + T > self._rope_len:
                 raise ValueError(f"run_layers: positions up to {pos + T} beyond the rotary tables ({self._rope_len}); make the cache with new_cache")
             seg = (ctypes.c_long * 8)(*segment_row(cache, pos, T))  # one sequence: no SegmentTable to build
-            rope = [(c[pos].data_ptr(), s[pos].data_ptr()) for c, s in self._rope.values()]  # rows pos.. (contiguous)
+            rope = [(c.data_ptr() + pos * c.stride(0) * c.element_size(), s.data_ptr() + pos * s.stride(0) * s.element_size())
+                    for c, s in self._rope.values()]  # rows pos.. (contiguous); no tensor view on the decode path
             self._fused_layers(h, start, end, ctypes.addressof(seg), 1, rope, skip_attn, skip_mlp, capture)
             return h
         masks = self.masks(pos, h.shape[0], cache)

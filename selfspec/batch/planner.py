@@ -201,7 +201,11 @@ class _Plan:
     def added_cost(self, g, levels: dict[int, int]) -> float:
         """Draft seconds that `levels` (draft step j -> sequences added at it) add to group g."""
         steps, f = self.per_group[g], self.fwd[g]
-        return sum(f[(steps[j] if j < len(steps) else 0) + a] - f[steps[j] if j < len(steps) else 0] for j, a in levels.items())
+        total = 0.0
+        for j, a in levels.items():
+            r = steps[j] if j < len(steps) else 0  # sequences already drafting at step j
+            total += f[r + a] - f[r]
+        return total
 
     def moves(self):
         """(grants {i: m_i}, expected tokens added, draft seconds added, rows added) of every
