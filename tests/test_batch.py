@@ -260,6 +260,11 @@ def test_cost_scale_follows_measured_over_predicted():
     assert cs.scales == pytest.approx((1.5, 1.0))
     cs.observe((0.0, 1.0), (5.0, 100.0))  # nothing predicted: no draft ratio; ratios clamped to 4
     assert cs.scales == pytest.approx((1.5, 2.5))
+    fresh = planner.CostScale(weight=0.5)  # no draft timed yet: the draft table drifts as the verify pass
+    fresh.observe((0.0, 1.0), (0.0, 2.0))
+    assert fresh.scales == pytest.approx((1.5, 1.5))
+    fresh.observe((1.0, 1.0), (1.0, 1.5))  # the first draft observation starts from there
+    assert fresh.scales == pytest.approx((1.25, 1.5))
 
 
 def test_measure_draft_times_the_draft_forward():
@@ -269,6 +274,24 @@ def test_measure_draft_times_the_draft_forward():
     got = measure_draft(q, rt.num_layers, None, repeats=1)
     assert list(got) == list(DRAFT_ROWS) and all(t > 0 for t in got.values())
     assert all(got[b] >= got[a] for a, b in zip(DRAFT_ROWS, DRAFT_ROWS[1:]))
+
+
+def test_draft_forwards_are_timed_against_the_layer_pass(monkeypatch):
+    """The draft table is expressed in the layer table's time: each draft forward is timed
+    alternately with the verifier's layer pass over the same rows and scaled by the table, so
+    a machine that drifts between the two measurements does not tilt draft against verify."""
+    m = _ideal("float32")
+    rt = m.runtime
+    costs = BatchCosts.measure(rt, repeats=1)
+    sig = (m.resources.quantized(8), rt.num_layers, None, frozenset(), frozenset())
+    clock = iter([3.0, 4.0] * 100)  # each draft forward 3 s, each layer pass 4 s, "now"
+    monkeypatch.setattr(planner, "_seconds", lambda fn: (fn(), next(clock))[1])
+    for r in (1, 8):
+        assert costs.draft_step(sig, r) == pytest.approx(costs.overhead + 0.75 * costs.layers[r])
+    free = BatchCosts(dict(costs.layers), dict(costs.head))  # tables given, no runtime to time against
+    kwargs: list = []
+    monkeypatch.setattr(planner, "measure_draft", lambda *a, **k: kwargs.append(k) or {r: 2.0 for r in DRAFT_ROWS})
+    assert free.draft_step(sig, 1) == pytest.approx(free.overhead + 2.0) and kwargs == [{}]
 
 
 def test_server_warmup_times_the_draft_forward_before_traffic(monkeypatch):

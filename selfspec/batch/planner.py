@@ -19,7 +19,8 @@ they are used for greedy decoding only (module sequence.py says why not when sam
 
 from __future__ import annotations
 
-import statistics
+import time
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,9 +45,10 @@ class BatchCosts:
     overhead: float = 2e-4  # per forward call (Python, tables)
     _draft_cache: dict = field(default_factory=dict)
     _memo: dict = field(default_factory=dict)  # (what, rows...) -> seconds: the planner asks the same often
+    _reference: object = None  # weakref to the runtime `layers` timed (measure()): draft forwards are timed against it
 
     @classmethod
-    def measure(cls, rt, repeats: int = 2, context: int = 64) -> "BatchCosts":
+    def measure(cls, rt, repeats: int = 3, context: int = 64) -> "BatchCosts":
         layers, head = {}, {}
         H, gen = rt.spec.hidden_size, torch.Generator().manual_seed(0)
         caches = [rt.new_cache(context + 2 * max(ROWS)) for _ in range(8)]
@@ -54,9 +56,11 @@ class BatchCosts:
             for r in ROWS:
                 table = _spread(caches, r, context)
                 h = (torch.randn(r, H, generator=gen) * 0.1).to(rt.device, rt.dtype)
-                layers[r] = time_call(lambda: rt.run_layers_batch(h, 0, rt.num_layers, table), repeats, statistics.median)
-                head[r] = time_call(lambda: rt.argmax(h), repeats, statistics.median)
-        return cls(_monotone(layers), _monotone(head))
+                layers[r] = time_call(lambda: rt.run_layers_batch(h, 0, rt.num_layers, table), repeats)
+                head[r] = time_call(lambda: rt.argmax(h), repeats)
+        costs = cls(_monotone(layers), _monotone(head))
+        costs._reference = weakref.ref(rt)  # weak: the runtime -> costs cache must not keep its runtime alive
+        return costs
 
     @staticmethod
     def _interp(table: dict[int, float], rows: float) -> float:
@@ -81,7 +85,9 @@ class BatchCosts:
     def draft_step(self, signature: tuple, rows: int) -> float:
         """One batched draft forward of `rows` sequences with this draft signature (draft
         runtime, exit layer, draft head, skip sets; batch.passes.signature), timed on first
-        use at DRAFT_ROWS, the very calls draft_depth makes. Measured, not scaled by bytes:
+        use at DRAFT_ROWS, the very calls draft_depth makes, interleaved with the measured
+        runtime's layer pass and expressed in the `layers` table's time (measure_draft: the
+        machine drifts between the two timings). Measured, not scaled by bytes:
         a quantized copy that reads half the bytes of bf16 is as dear per row once several
         rows make its kernel compute-bound (about 2 ms a row for the int8 copy of the
         default model on the 2-core reference machine, 4x the bytes-scaled estimate at 8 rows)."""
@@ -91,7 +97,9 @@ class BatchCosts:
         t = self._memo.get((key, rows))
         if t is None:
             if key not in self._draft_cache:
-                self._draft_cache[key] = measure_draft(*signature)
+                ref = self._reference() if self._reference is not None else None
+                self._draft_cache[key] = measure_draft(*signature) if ref is None else \
+                    measure_draft(*signature, reference=(ref, self.layers))
             t = self._memo[(key, rows)] = self.overhead + self._interp(self._draft_cache[key], rows)
         return t
 
@@ -100,22 +108,51 @@ DRAFT_ROWS = (1, 2, 4, 8, 16, 32)
 
 
 def measure_draft(draft_rt, exit_layer: int, head, skip_attn=frozenset(), skip_mlp=frozenset(),
-                  repeats: int = 2, context: int = 64) -> dict[int, float]:
+                  reference: tuple | None = None, repeats: int = 3, context: int = 64) -> dict[int, float]:
     """Seconds of one batched draft forward at each DRAFT_ROWS row count (one row per
-    sequence, rows spread over up to 8 caches as passes.draft_depth spreads them)."""
+    sequence, rows spread over up to 8 caches as passes.draft_depth spreads them).
+
+    reference = (rt, layers table): each draft forward is timed alternately with rt's full
+    layer pass over the same rows and the result given in the table's time,
+    draft / layers-now * table[r]. The planner weighs draft seconds against verify seconds
+    from tables timed seconds or minutes apart on a machine whose speed drifts (1.5x between
+    processes on the reference VM): timed apart, the default model's int8 draft measured 0.57x
+    the layer pass in two processes and 0.95x in a third, which then never drafted at 4
+    sequences (1.1-1.2x autoregressive there when it drafts)."""
+    rt, table = reference if reference is not None else (None, None)
     out = {}
     caches = [draft_rt.new_cache(context + max(DRAFT_ROWS)) for _ in range(8)]
+    ref_caches = caches
+    if rt is not None and rt is not draft_rt:  # a quantized copy: the verifier's caches are its own
+        ref_caches = [rt.new_cache(context + max(DRAFT_ROWS)) for _ in range(8)]
     with torch.inference_mode():
         for r in DRAFT_ROWS:
-            table = _spread(caches, r, context)
+            spread = _spread(caches, r, context)
             toks = torch.arange(r, device=draft_rt.device) % max(1, draft_rt.spec.vocab_size)
 
             def fn():
-                h = draft_rt.run_layers_batch(draft_rt.embed(toks), 0, exit_layer, table, skip_attn, skip_mlp)
+                h = draft_rt.run_layers_batch(draft_rt.embed(toks), 0, exit_layer, spread, skip_attn, skip_mlp)
                 draft_rt.logits(h, head=head)
 
-            out[r] = time_call(fn, repeats, statistics.median)
+            if rt is None:
+                out[r] = time_call(fn, repeats)
+                continue
+            ref_spread = _spread(ref_caches, r, context)
+            h_ref = rt.embed(toks % rt.spec.vocab_size)
+            ref_fn = lambda: rt.run_layers_batch(h_ref, 0, rt.num_layers, ref_spread)  # noqa: E731
+            fn(), ref_fn()  # warm-up
+            ts, us = [], []
+            for _ in range(repeats):
+                ts.append(_seconds(fn))
+                us.append(_seconds(ref_fn))
+            out[r] = min(ts) / min(us) * BatchCosts._interp(table, r)
     return _monotone(out)
+
+
+def _seconds(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 def _spread(caches: list, rows: int, context: int) -> SegmentTable:
@@ -286,13 +323,17 @@ class CostScale:
 
     def __init__(self, weight: float = 0.2):
         self.draft, self.verify, self.weight = 1.0, 1.0, weight
+        self.draft_seen = False  # until a draft forward is timed, it drifts as the verify pass does
 
     def observe(self, predicted_s: tuple[float, float], measured_s: tuple[float, float]) -> None:
         for name, p, m in zip(("draft", "verify"), predicted_s, measured_s):
             if p > 0 and m > 0:
                 ratio = min(4.0, max(0.25, m / p))
+                if name == "draft" and not self.draft_seen:  # start from the verify pass's drift
+                    self.draft, self.draft_seen = self.verify, True
                 setattr(self, name, (1 - self.weight) * getattr(self, name) + self.weight * ratio)
 
     @property
     def scales(self) -> tuple[float, float]:
-        return self.draft, self.verify
+        """(draft, verify): the draft tables are in the layer table's time (measure_draft)."""
+        return (self.draft if self.draft_seen else self.verify), self.verify
