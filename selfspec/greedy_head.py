@@ -7,15 +7,18 @@ step on a small model (Gemma 3 270M: 335 MB of its 536 MB). So:
     a[v] = the int8 head's value (csrc/quant.c, activations quantized too)  -- half the bytes
     |l[v] - a[v]| <= E[v] = ||x'|| alpha[v] + ||x' - xhat|| beta[v]        -- for every v, proven
     candidates = { v : a[v] + E[v] >= max_u (a[u] - E[u]) }                -- holds every maximum
-    argmax     = over the candidates' l (the very chains of gemm.c), first index on ties
+    b          = max of l over the 8 candidates of largest a  (the very chains of gemm.c)
+    argmax     = over l of the candidates with a[v] + E[v] >= b, first index on ties
 
 The bound is Cauchy-Schwarz on w.x' - what.xhat = (w - what).x' + what.(x' - xhat) plus the
 rounding of both fp32 chains (csrc/screen.c has the derivation). Every column that can be the
-maximum, ties included, is a candidate and carries its exact logit; every other one is
-strictly below the maximum. So the candidates' argmax, first index on ties, is the argmax
-of the full head, token for token: greedy output does not change, only its cost (on
-the default model ~50 candidates a row on average, a few hundred at worst; a row with more
-than CAP, or with non-finite inputs, is computed by the full head instead).
+maximum, ties included, is a candidate; b is a value some column has, so a candidate with
+a[v] + E[v] < b is strictly below the maximum too (bf16 outputs: the same two-step slack).
+So the argmax of the computed columns, first index on ties, is the argmax of the full head,
+token for token: greedy output does not change, only its cost (on the default model's
+decode states ~20-100 candidates a row, of which ~6-20 are computed, each a column of 1280
+bytes spread over 320 cache lines; a row with more than CAP candidates, or with non-finite
+values, is computed by the full head instead).
 
 It gives argmax ids only (Runtime.argmax): sampling, and anything that reads probabilities,
 uses the full head.
@@ -23,14 +26,14 @@ uses the full head.
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 
 import torch
 
 from selfspec import kernels
-from selfspec.kernels.screen import act_residual, exact_columns, screen_qgemm, quant_block, screen_candidates, screen_quantize
+from selfspec.kernels.screen import (act_residual, exact_columns, quant_block, screen_candidates, screen_pick, screen_qgemm,
+                                     screen_quantize)
 
 CAP = 4096  # candidates a row may have before it is computed in full
 MIN_WEIGHTS = 1 << 22  # smaller heads stay in cache, where the screen's fixed costs (~0.1 ms) outweigh the bytes saved
@@ -48,7 +51,7 @@ class ScreenedHead:
     def __init__(self, head, qhead: kernels.QuantizedWeight, ab: torch.Tensor):
         self.head, self.qhead, self.ab = head, qhead, ab  # ab [2, V] fp32: alpha, beta (rounded up)
         self.pairs = isinstance(head, kernels.PackedWeight) and head.pairs
-        self.rows = self.candidates = self.full_rows = 0  # counters: what screening did
+        self.rows = self.candidates = self.computed = self.full_rows = 0  # counters: what screening did (computed: exactly)
 
     @classmethod
     def make(cls, head) -> ScreenedHead | None:
@@ -76,18 +79,20 @@ class ScreenedHead:
 
     def argmax(self, x: torch.Tensor, full) -> list[int]:
         """The full head's argmax of each row of x [M, K] (first index on ties), from the
-        candidates alone: every other column is strictly below the row's maximum (module doc).
-        full(rows) -> the full head's logits of those rows, for rows the screen cannot decide."""
-        cand, count, vals = self.screen(x)
-        ok = (count > 0) & (count <= CAP)
-        n = count.clamp(0, CAP) * ok
-        vals = vals.masked_fill(torch.arange(CAP)[None] >= n[:, None], -math.inf)  # [M, CAP]: past a row's count, undefined
-        best = cand.gather(1, vals.argmax(-1, keepdim=True)).flatten().long()  # candidates ascend: the first maximum wins
-        bad = (~ok).nonzero().flatten()
+        candidates alone: every other column is strictly below the row's maximum (module doc);
+        of the candidates, only those that can still reach the best of the few with the largest
+        int8 values are computed (kernels.screen_pick). full(rows) -> the full head's logits of
+        those rows, for rows the screen cannot decide."""
+        a = screen_qgemm(x, self.qhead)  # [M, V]
+        xn, dxn = act_residual(x, round_bf16=self.pairs)
+        cand, count = screen_candidates(a, self.ab, xn, dxn, CAP, round_out=x.dtype == torch.bfloat16)
+        best, computed = screen_pick(x, self.head, cand, count, a, self.ab, xn, dxn)
+        bad = (best < 0).nonzero().flatten()
         if len(bad):
             best[bad] = full(bad).argmax(-1)
         self.rows += x.shape[0]
-        self.candidates += int(n.sum())
+        self.candidates += int(count.clamp(0, CAP).sum())
+        self.computed += int(computed.sum())
         self.full_rows += len(bad)
         return best.tolist()
 

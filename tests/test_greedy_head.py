@@ -234,10 +234,48 @@ def test_default_model_screened_head(default_model_bf16):
         h = rt.run_layers(rt.embed(ids), 0, rt.num_layers, 0, rt.new_cache(len(ids) + 4))
         x = kernels.norm_rows(h, rt.final_norm, rt.spec.rms_norm_eps)
         full = _full(x, rt.head)
-        rows0, cands0 = sh.rows, sh.candidates
+        rows0, cands0, comp0 = sh.rows, sh.candidates, sh.computed
         got = sh.argmax(x, lambda rows: _full(x[rows], rt.head))
     assert got == full.argmax(-1).tolist()
     assert (sh.candidates - cands0) / (sh.rows - rows0) < 400
+    assert sh.computed - comp0 < 0.5 * (sh.candidates - cands0)  # round 2 drops most candidates (~10 of ~40 a row)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_maximum_outside_the_first_round_is_found(layout, dtype):
+    """Round 1 computes the SC_GROUP (8) candidates of largest int8 value; the answer may lie
+    beyond them. Columns 0..9 have the same int8 value (their row-1 weight sets a coarse scale,
+    and x reads row 0 only) but exact values 1.03 (decoys 0..8) and 1.04 (column 10 wins; its
+    equal twin 11 loses the tie); round 1 takes 0..7 (first indices on ties), so only round 2
+    can find 10, and must compute it although its int8 value is below the decoys' exact one.
+    Column 12 (0.99, int8 value 1.0 too) is a candidate that cannot reach 1.03: not computed."""
+    if layout == "pairs" and dtype != torch.bfloat16:
+        pytest.skip("the pair layout is bf16 only")
+    k, v = 64, 256
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(k, v, generator=g) * 0.01
+    w[:, :12] = 0
+    w[1, :12] = 12.7  # int8 scale 0.1 for these columns: 1.03 and 1.04 both quantize to 1.0
+    w[0, :10] = 1.03
+    w[0, 10:12] = 1.04
+    w[:, 12] = 0
+    w[1, 12], w[0, 12] = 12.7, 0.99
+    w = w.to(dtype)
+    head = w if layout == "plain" else kernels.pack(w, pairs=layout == "pairs")
+    x = torch.zeros(3, k)
+    x[:, 0] = 1.0
+    x[1, 2:] = 1e-3  # small spread: the bound is no longer exact for the other columns
+    x[2, 0] = -1.0  # the smallest of columns 0..11 everywhere else: any of the random columns
+    x = x.to(dtype)
+    full = _full(x, head)
+    assert int(full[0].argmax()) == 10
+    sh = ScreenedHead.make(head)
+    asked = []
+    assert sh.argmax(x[:1], lambda rows: asked.append(rows) or _full(x[rows], head)) == [10]
+    assert sh.candidates == 13 and sh.computed == 12  # 0..12 screened; 8 in round 1, 4 in round 2
+    assert sh.argmax(x, lambda rows: asked.append(rows) or _full(x[rows], head)) == full.argmax(-1).tolist()
+    assert asked == []
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -277,16 +277,10 @@ typedef struct {
     long next;  /* the next work item (dynamic schedule) */
 } cols_job;
 
-/* one work item: row m's candidates g0..g0+SC_GROUP-1 */
-static void cols_item(const cols_job *j, long m, long g0) {
-    const long K = j->K, N = j->N, cap = j->cap;
-    const void *w = j->w;
-    const int w_bf16 = j->w_bf16, layout = j->layout;
-    long n = j->count[m];
-    if (n <= 0 || n > cap || g0 >= n) return;
-    long G = n - g0 < SC_GROUP ? n - g0 : SC_GROUP;
-    const int32_t *c = j->cand + m * cap + g0;
-    const float *xr = j->x + m * K;
+/* The exact values of G <= SC_GROUP columns cols[0..G-1] for one row xr [K] (the very chains of
+ * gemm.c, rounded to bf16 as gemm.c rounds a bf16 output when round_out) into out[0..G-1]. */
+static void sc_exact(const float *xr, long K, long N, const void *w, int w_bf16, int layout, int round_out,
+                     const int32_t *c, long G, float *out) {
     float acc[SC_GROUP] = {0};
     /* A column is one value per k-row (64-128 bytes apart in the packed layouts): each read
      * misses on its own line, so the lines SC_PF k-rows ahead are asked for early (hints only). */
@@ -313,7 +307,16 @@ static void cols_item(const cols_job *j, long m, long g0) {
             }
         }
     }
-    for (long i = 0; i < G; i++) j->out[m * cap + g0 + i] = j->round_out ? sc_bf16_to_f32(sc_f32_to_bf16(acc[i])) : acc[i];
+    for (long i = 0; i < G; i++) out[i] = round_out ? sc_bf16_to_f32(sc_f32_to_bf16(acc[i])) : acc[i];
+}
+
+/* one work item: row m's candidates g0..g0+SC_GROUP-1 */
+static void cols_item(const cols_job *j, long m, long g0) {
+    long n = j->count[m];
+    if (n <= 0 || n > j->cap || g0 >= n) return;
+    long G = n - g0 < SC_GROUP ? n - g0 : SC_GROUP;
+    sc_exact(j->x + m * j->K, j->K, j->N, j->w, j->w_bf16, j->layout, j->round_out, j->cand + m * j->cap + g0, G,
+             j->out + m * j->cap + g0);
 }
 
 static void cols_region(void *ctx, int tid, int nt) {
@@ -333,6 +336,105 @@ int selfspec_exact_columns(long M, long K, long N, const float *x, const void *w
     /* (row, group of SC_GROUP candidates) work items, flattened */
     cols_job job = {M, K, N, x, w, w_bf16, layout, round_out, cand, count, cap, (cap + SC_GROUP - 1) / SC_GROUP, out, 0};
     ss_parallel(nt, cols_region, &job);
+    return 0;
+}
+
+/* ---- the argmax from the candidates, in two rounds ------------------------------------------
+ * Every column that can be a row's maximum (ties included) is a candidate, but most candidates
+ * are far below the maximum's exact value: the screen's threshold max_u (a[u] - E[u]) sits E
+ * below the maximum's int8 value, and the rounded-output slack two bf16 steps lower still. So
+ * round 1 computes the SC_GROUP candidates of largest a exactly (the maximum is almost always
+ * among them); their best exact value b bounds the maximum from below, and round 2 computes
+ * only the candidates that can still reach it: a[v] + E[v] >= b (less the same two-step slack
+ * when outputs are rounded to bf16). A candidate dropped there has l[v] <= a[v] + E[v] < b <=
+ * the maximum (after rounding, strictly below the rounded maximum), so it can neither win nor
+ * tie: the answer, the first column of the largest value among those computed, is the full
+ * head's argmax. On the default model's decode states: ~40 candidates a row, ~10 computed.
+ * best[m] = -1 for a row the screen did not decide (count outside 1..cap) or with a non-finite
+ * value; computed[m] = the columns computed exactly. */
+typedef struct {
+    long M, K, N, V;
+    const float *x;
+    const void *w;
+    int w_bf16, layout, round_out;
+    const int32_t *cand;
+    const long *count;
+    long cap;
+    const float *a, *ab;
+    const double *xn, *dxn;
+    int64_t *best;
+    long *computed;
+    long next;
+} pick_job;
+
+static void pick_row(const pick_job *j, long m) {
+    const long n = j->count[m];
+    j->best[m] = -1;
+    j->computed[m] = 0;
+    if (n <= 0 || n > j->cap) return;
+    const int32_t *c = j->cand + m * j->cap;
+    const float *am = j->a + m * j->V, *al = j->ab, *be = j->ab + j->V;
+    const float *xr = j->x + m * j->K;
+    /* round 1: the SC_GROUP candidates of largest a (first ones on ties), by insertion */
+    int32_t top[SC_GROUP];
+    long nt = 0;
+    for (long i = 0; i < n; i++) {
+        float v = am[c[i]];
+        if (nt == SC_GROUP && !(v > am[top[nt - 1]])) continue;
+        long p = nt < SC_GROUP ? nt++ : nt - 1;
+        while (p > 0 && v > am[top[p - 1]]) { top[p] = top[p - 1]; p--; }
+        top[p] = c[i];
+    }
+    float vals[SC_GROUP];
+    sc_exact(xr, j->K, j->N, j->w, j->w_bf16, j->layout, j->round_out, top, nt, vals);
+    float bv = -INFINITY;
+    int64_t bi = -1;
+    for (long i = 0; i < nt; i++) {
+        if (!isfinite(vals[i])) return;  /* the full head decides (as its argmax treats NaN / inf) */
+        if (vals[i] > bv || (vals[i] == bv && top[i] < bi)) { bv = vals[i]; bi = top[i]; }
+    }
+    long done = nt;
+    const double b = (double)bv, t = j->round_out ? b - (fabs(b) * 0x1p-6 + SCREEN_TINY) : b;
+    /* round 2: the candidates (not in round 1) that can still reach b, SC_GROUP at a time */
+    int32_t more[SC_GROUP];
+    long g = 0;
+    for (long i = 0; i <= n; i++) {
+        if (i < n) {
+            int32_t v = c[i];
+            if ((double)am[v] + sc_e(j->xn[m], j->dxn[m], al, be, v) < t) continue;
+            int in_top = 0;
+            for (long q = 0; q < nt; q++) in_top |= top[q] == v;
+            if (in_top) continue;
+            more[g++] = v;
+            if (g < SC_GROUP) continue;
+        }
+        if (g == 0) continue;
+        sc_exact(xr, j->K, j->N, j->w, j->w_bf16, j->layout, j->round_out, more, g, vals);
+        for (long q = 0; q < g; q++) {
+            if (!isfinite(vals[q])) return;
+            if (vals[q] > bv || (vals[q] == bv && more[q] < bi)) { bv = vals[q]; bi = more[q]; }
+        }
+        done += g;
+        g = 0;
+    }
+    j->best[m] = bi;
+    j->computed[m] = done;
+}
+
+static void pick_region(void *ctx, int tid, int nt) {
+    pick_job *j = (pick_job *)ctx;
+    (void)tid; (void)nt;
+    for (long m; (m = ss_next(&j->next, 1)) < j->M;) pick_row(j, m);
+}
+
+int selfspec_screen_pick(long M, long K, long N, const float *x, const void *w, int w_bf16, int layout, int round_out,
+                         const int32_t *cand, const long *count, long cap, const float *a, const float *ab,
+                         const double *xn, const double *dxn, int64_t *best, long *computed, int nthreads) {
+    if (layout < 0 || layout > 2 || (layout == 2 && !w_bf16)) return 2;
+    int nt = screen_team(M * 2 * SC_GROUP * K / 8, nthreads);  /* ~2 groups a row */
+    if (nt > M) nt = (int)M;
+    pick_job job = {M, K, N, N, x, w, w_bf16, layout, round_out, cand, count, cap, a, ab, xn, dxn, best, computed, 0};
+    ss_parallel(nt < 1 ? 1 : nt, pick_region, &job);
     return 0;
 }
 

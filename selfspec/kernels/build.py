@@ -147,6 +147,9 @@ def _load():
             dll.selfspec_exact_columns.restype = ctypes.c_int
             dll.selfspec_exact_columns.argtypes = ([ctypes.c_long] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
                                                    + [ctypes.c_void_p] * 2 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_int])
+            dll.selfspec_screen_pick.restype = ctypes.c_int
+            dll.selfspec_screen_pick.argtypes = ([ctypes.c_long] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
+                                                 + [ctypes.c_void_p] * 2 + [ctypes.c_long] + [ctypes.c_void_p] * 6 + [ctypes.c_int])
             _lib = (fn, ref)
             _blocks.update(layers=dll.selfspec_layers_batch,
                            norm_rows=dll.selfspec_norm_rows, softcap=dll.selfspec_softcap,

@@ -87,6 +87,29 @@ def exact_columns(x: torch.Tensor, w: PackedWeight | torch.Tensor, cand: torch.T
     return out
 
 
+def screen_pick(x: torch.Tensor, w: PackedWeight | torch.Tensor, cand: torch.Tensor, count: torch.Tensor,
+                a: torch.Tensor, ab: torch.Tensor, xn: torch.Tensor, dxn: torch.Tensor,
+                threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full head's argmax of each row from its candidates (screen_candidates of a, ab, xn,
+    dxn), computing exactly only those that can still reach the best of the SC_GROUP largest
+    (csrc/screen.c explains why nothing else can win or tie). -> (best int64 [M]: the column,
+    -1 where the screen cannot decide; computed int64 [M]: columns computed exactly)."""
+    xf = x.float().contiguous()
+    m, k = xf.shape
+    packed = isinstance(w, PackedWeight)
+    data = (w.data if packed else w).contiguous()
+    layout = 2 if packed and w.pairs else int(packed)
+    best, computed = torch.empty(m, dtype=torch.int64), torch.empty(m, dtype=torch.int64)
+    nt = _pool.threads() if threads is None else threads
+    rc = _dll().selfspec_screen_pick(m, k, w.shape[1], xf.data_ptr(), data.data_ptr(), data.dtype == torch.bfloat16, layout,
+                                     int(x.dtype == torch.bfloat16), cand.data_ptr(), count.data_ptr(), cand.shape[1],
+                                     a.data_ptr(), ab.data_ptr(), xn.data_ptr(), dxn.data_ptr(), best.data_ptr(),
+                                     computed.data_ptr(), nt)
+    if rc:
+        raise RuntimeError(f"kernels.screen_pick: returned {rc}")
+    return best, computed
+
+
 def screen_quantize(w: PackedWeight | torch.Tensor, g_k: float, g_b: float) -> tuple[QuantizedWeight, torch.Tensor] | None:
     """The screen's int8 copy of a head w [K, N] (plain or packed, bf16/fp32) with its bound
     coefficients ab [2, N] (csrc/screen.c selfspec_screen_quantize); None if a weight is not
