@@ -1,11 +1,11 @@
 """Measured costs of the runtime's primitives, from which the time of any drafting step is
 modelled (this is what makes a search trial cheap and auto's decisions arithmetic).
 
-`CostModel.measure` times one attention / MLP sub-layer and the LM head at each row count a
-step uses (ROWS) on a scratch cache; `t_draft` and `t_verify` of any strategy are sums of
-these parts. Measurements are kept on disk per machine/model/build identity (`load_costs` /
-`save_costs`), so auto's decisions, and with them how sampling consumes the RNG, are the same
-on every load on one machine.
+`CostModel.measure` times the attention / MLP sub-layers (from memory, as a step reads them)
+and the LM head at each row count a step uses (ROWS) on a scratch cache; `t_draft` and
+`t_verify` of any strategy are sums of these parts. Measurements are kept on disk per
+machine/model/build identity (`load_costs` / `save_costs`), so auto's decisions, and with them
+how sampling consumes the RNG, are the same on every load on one machine.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import statistics
 import time
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -27,7 +26,7 @@ from selfspec.loading import cache_root
 from selfspec.profiles import atomic_write_text
 
 ROWS = (1, 2, 3, 5, 9, MAX_SPECULATIONS + 1)  # row counts timed; others interpolate
-FORMAT = "selfspec-costs/4"
+FORMAT = "selfspec-costs/5"  # 5: sub-layers timed from memory (CostModel.measure)
 
 
 def head_key(n: int | None, bits: int | None) -> int | str:
@@ -39,6 +38,33 @@ def head_key(n: int | None, bits: int | None) -> int | str:
 def _interp(table: dict[int, float], rows: int) -> float:
     xs = sorted(table)
     return float(np.interp(rows, xs, [table[x] for x in xs]))
+
+
+def time_alternating(f, g, repeats: int) -> tuple[float, float]:
+    """(min seconds of f, min seconds of g) over `repeats` calls of each, taking turns after one
+    untimed call of each: each is timed right after the other, so neither finds its data still
+    in cache from its own previous call."""
+    f(), g()
+    tf, tg = [], []
+    for _ in range(repeats):
+        tf.append(_seconds(f))
+        tg.append(_seconds(g))
+    return min(tf), min(tg)
+
+
+def time_after(fn, before, repeats: int) -> float:
+    """Min seconds of fn over `repeats` calls, each right after an untimed call of `before`."""
+    ts = []
+    for _ in range(repeats + 1):
+        before()
+        ts.append(_seconds(fn))
+    return min(ts[1:])
+
+
+def _seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def time_call(fn, repeats: int, reduce=min) -> float:
@@ -74,37 +100,42 @@ class CostModel:
 
     @classmethod
     def measure(cls, runtime, draft_heads: dict[int | str, object] | None = None, quantized: dict | None = None,
-                repeats: int = 5, layers: int = 3) -> "CostModel":
+                repeats: int = 5) -> "CostModel":
         """The fastest of `repeats` timings per primitive (other processes only ever add time;
-        medians on a busy 2-core machine came out tens of times too high), averaged over
-        `layers` evenly spaced layers. `draft_heads`: head_key -> a head as the runtime multiplies it (prepared or
-        quantized); `quantized`: bits -> the quantized copy of the runtime (1-row sub-layers)."""
+        medians on a busy 2-core machine came out tens of times too high). `draft_heads`:
+        head_key -> a head as the runtime multiplies it (prepared or quantized); `quantized`:
+        bits -> the quantized copy of the runtime (1-row sub-layers).
+
+        A sub-layer's cost is one pass of all L of them (attention only, then MLP only) over L,
+        each pass timed right after the other kind's: a decode step streams every weight from
+        memory, and one layer timed alone, again and again, runs from cache wherever it fits
+        (Gemma 3 270M: 11 MB a layer, 32 MB of L3): that timed its layers at 2 ms of a 12.7 ms
+        step, left the rest as a per-call "overhead" every draft token was charged, and priced
+        the int8 draft token at 0.48 of a step where it takes 0.19."""
         cache = runtime.new_cache(256)
         L = runtime.num_layers
-        probe_layers = sorted({round(i * (L - 1) / max(layers - 1, 1)) for i in range(layers)})
-        all_layers = frozenset(range(L))
+        none, every = frozenset(), frozenset(range(L))
         gen = torch.Generator().manual_seed(0)
         H = runtime.spec.hidden_size
         timed = partial(time_call, repeats=repeats)  # min, not median (above)
+
+        def sublayers(rt, h) -> tuple[float, float]:  # (attention, MLP) seconds of one sub-layer, from memory
+            ta, tm = time_alternating(lambda: rt.run_layers(h, 0, L, 100, cache, none, every),
+                                      lambda: rt.run_layers(h, 0, L, 100, cache, every, none), repeats)
+            return ta / L, tm / L
 
         attn, mlp, head, head_greedy = {}, {}, {}, {}
         with torch.inference_mode():
             for r in ROWS:
                 h = (torch.randn(r, H, generator=gen) * 0.1).to(runtime.device, runtime.dtype)
-                ta, tm = [], []
-                for i in probe_layers:
-                    ta.append(timed(lambda: runtime.run_layers(h, i, i + 1, 100, cache, frozenset(), all_layers)))
-                    tm.append(timed(lambda: runtime.run_layers(h, i, i + 1, 100, cache, all_layers, frozenset())))
-                attn[r], mlp[r] = statistics.mean(ta), statistics.mean(tm)
+                attn[r], mlp[r] = sublayers(runtime, h)
                 head[r] = timed(lambda: runtime.logits(h))
                 head_greedy[r] = timed(lambda: runtime.argmax(h))
             h1 = (torch.randn(1, H, generator=gen) * 0.1).to(runtime.device, runtime.dtype)
-            drafts = {k: timed(lambda w=w: runtime.logits(h1, head=w)) for k, w in (draft_heads or {}).items()}
-            quant = {}
-            for bits, q in (quantized or {}).items():
-                qa = [timed(lambda: q.run_layers(h1, i, i + 1, 100, cache, frozenset(), all_layers)) for i in probe_layers]
-                qm = [timed(lambda: q.run_layers(h1, i, i + 1, 100, cache, all_layers, frozenset())) for i in probe_layers]
-                quant[bits] = (statistics.mean(qa), statistics.mean(qm))
+            flush = lambda: runtime.run_layers(h1, 0, L, 100, cache, every, none)  # noqa: E731 - streams the MLP weights
+            # a draft head runs after the draft's layers have streamed: from memory, not from cache
+            drafts = {k: time_after(lambda w=w: runtime.logits(h1, head=w), flush, repeats) for k, w in (draft_heads or {}).items()}
+            quant = {bits: sublayers(q, h1) for bits, q in (quantized or {}).items()}
             ids = torch.tensor([1], device=runtime.device)
             embed = timed(lambda: runtime.embed(ids))
             # What a whole call costs beyond its parts (masks, Python per call): every
