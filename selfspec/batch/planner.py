@@ -19,7 +19,6 @@ they are used for greedy decoding only (module sequence.py says why not when sam
 
 from __future__ import annotations
 
-import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -27,7 +26,7 @@ import numpy as np
 import torch
 
 from selfspec.cache import SegmentTable
-from selfspec.predictor.costs import time_call
+from selfspec.predictor.costs import time_alternating, time_call
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 # A plan must beat drafting nothing by this factor: a smaller predicted gain is within the
@@ -140,19 +139,9 @@ def measure_draft(draft_rt, exit_layer: int, head, skip_attn=frozenset(), skip_m
             ref_spread = _spread(ref_caches, r, context)
             h_ref = rt.embed(toks % rt.spec.vocab_size)
             ref_fn = lambda: rt.run_layers_batch(h_ref, 0, rt.num_layers, ref_spread)  # noqa: E731
-            fn(), ref_fn()  # warm-up
-            ts, us = [], []
-            for _ in range(repeats):
-                ts.append(_seconds(fn))
-                us.append(_seconds(ref_fn))
-            out[r] = min(ts) / min(us) * BatchCosts._interp(table, r)
+            t_draft, t_ref = time_alternating(fn, ref_fn, repeats)
+            out[r] = t_draft / t_ref * BatchCosts._interp(table, r)
     return _monotone(out)
-
-
-def _seconds(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 def _spread(caches: list, rows: int, context: int) -> SegmentTable:

@@ -71,12 +71,7 @@ def time_call(fn, repeats: int, reduce=min) -> float:
     """reduce (min, or statistics.median) of the seconds of `repeats` calls of fn, after one
     untimed warm-up call."""
     fn()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return reduce(ts)
+    return reduce([_seconds(fn) for _ in range(repeats)])
 
 
 @dataclass
