@@ -268,6 +268,54 @@ def test_auto_keeps_drafting_when_drafts_are_good():
     assert max(d.decisions) == 6  # with everything accepted, the longest draft is predicted best
 
 
+def _timed_auto(m, base_cfg, costs, draft_factor, verify_factor):
+    """auto on a virtual clock: each step's draft takes its modelled time x draft_factor(step),
+    its verification the modelled time x verify_factor(step)."""
+    from selfspec.drafters import make_drafter
+
+    now, steps = [0.0], [0]
+    d = AutoDrafter(m.runtime, DraftConfig("auto"), base=make_drafter(m.runtime, base_cfg), costs=costs,
+                    clock=lambda: now[0])
+    base_draft, base_verify = d.base.draft, d.base.verify
+
+    def draft(step):
+        now[0] += step.k * d._draft_s * draft_factor(steps[0])
+        return base_draft(step)
+
+    def verify(step, dr):
+        now[0] += d._verify_s[len(dr.tokens)] * verify_factor(steps[0])
+        steps[0] += 1
+        return base_verify(step, dr)
+
+    d.base.draft, d.base.verify = draft, verify
+    return d
+
+
+def test_auto_tells_a_drifting_machine_from_a_dear_draft():
+    """Drafting pays ~1.9x here by the costs. A machine that slows 3x (and jitters) slows the
+    draft and the verification alike: auto keeps drafting. A draft that costs 4x its model
+    while verification costs what it should does not pay: auto learns it and decodes plainly."""
+    from selfspec.engine import generate
+
+    m = _ideal(dead_from=2)
+    p = prompts(n=1, lengths=(10,))[0]
+    base = DraftConfig("early-exit", exit_layer=2, num_speculations=6)
+    ar = ar_generate(m, p, max_new_tokens=160).token_ids
+
+    def drift(i):
+        return (1.0 if i < 3 else 3.0) * (1.8 if i % 3 == 1 else 1.0)
+
+    d = _timed_auto(m, base, _fake_costs(L=6, head=1.0), drift, drift)
+    out = generate(m.runtime, d, p, ar_gen(160), SamplingConfig())
+    assert out.token_ids == ar
+    assert d.decisions.count(0) <= 1 and 0.7 < d.rho < 1.4, (d.decisions, d.rho)  # the last step may have no room
+
+    d = _timed_auto(m, base, _fake_costs(L=6, head=1.0), lambda i: 4.0, lambda i: 1.0)
+    out = generate(m.runtime, d, p, ar_gen(160), SamplingConfig())
+    assert out.token_ids == ar
+    assert d.rho > 2.5 and d.decisions.count(0) > 0.6 * len(d.decisions), (d.decisions, d.rho)
+
+
 def ar_gen(n):
     from selfspec.config import GenerationConfig
 

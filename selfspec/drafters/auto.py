@@ -16,10 +16,11 @@ class AutoDrafter(Drafter):
     """Draft only while it pays. Wraps a base drafter (from the model's profile, or chosen
     by calibration) and before each step predicts, for every k <= K,
 
-        S(k) = E[N](alpha, k) * t_ar / (k * t_draft + t_verify(k))
+        S(k) = E[N](alpha, k) * t_ar / (k * t_draft * rho + t_verify(k))
 
-    from a measured CostModel (predictor.costs) corrected online by the ratio of observed to
-    modelled step times, and an online acceptance estimate alpha = A / (A + R): decayed
+    from a measured CostModel (predictor.costs), a correction rho learnt online (drafting's
+    observed/modelled time over verification's, both timed within each step, so the machine's
+    drift, which slows both, cancels), and an online acceptance estimate alpha = A / (A + R): decayed
     counts of accepted drafts and of rejections (greedy acceptance stops at the first
     rejection, so each step is A += n, R += [n < drafted]). It drafts with the best k, or
     not at all when no k beats plain decoding; then it re-probes with k = 1 after a
@@ -34,7 +35,7 @@ class AutoDrafter(Drafter):
 
     def __init__(self, runtime, cfg, eos_ids=(), base: Drafter | None = None, costs=None,
                  choose_base=None, capture_exits: tuple[int, ...] = (), prior: tuple[float, float] | None = None,
-                 timing: bool = True, source: str = "given"):
+                 timing: bool = True, source: str = "given", clock=time.perf_counter):
         super().__init__(runtime, cfg, eos_ids)
         self.base, self.costs, self._costs_any = base, costs, costs
         self._greedy_costs = False  # self.costs is _costs_any.greedy() (greedy steps: the argmax-only head)
@@ -42,7 +43,8 @@ class AutoDrafter(Drafter):
         self.choose_base = choose_base  # (ids, captured hidden states, cache) -> (Drafter, alpha), without a base
         self.capture_exits = capture_exits
         self.prior = prior or self.PRIOR
-        self.timing = timing  # correct the cost model by observed step times (greedy only)
+        self._clock = clock
+        self.timing = timing  # learn rho from observed step times (greedy only)
         self.decisions: list[int] = []  # k chosen per step (0 = plain decoding), for stats/tests
 
     @property
@@ -73,22 +75,23 @@ class AutoDrafter(Drafter):
                 "source": self.source, "plain_steps": self.decisions.count(0), "steps": len(self.decisions)}
 
     def _model_costs(self) -> None:
-        """Modelled seconds of a step drafting k tokens, k = 0..K, for this generation's base:
-        fixed per generation, so the per-step decision is arithmetic only."""
+        """Modelled seconds of one draft token and of verifying k drafts, k = 0..K, for this
+        generation's base: fixed per generation, so the per-step decision is arithmetic only."""
         c, cfg = self.costs, self.base.cfg
-        self._spec_s = [k * c.draft_token(cfg) + c.verify_step(cfg, k, exit_cached=False) for k in range(self.max_draft + 1)]
+        self._draft_s = c.draft_token(cfg)
+        self._verify_s = [c.verify_step(cfg, k, exit_cached=False) for k in range(self.max_draft + 1)]
 
     def _reset(self) -> None:
         self.A, self.R = self.prior
         self.wait, self.backoff = 0, self.BASE_BACKOFF
-        self.scale_ar = self.scale_spec = 1.0  # observed / modelled step time
+        self.rho = 1.0  # (observed / modelled draft time) / (observed / modelled verify time)
         self.decisions = []
-        self._clock = time.perf_counter
+        self._t_verify = None
 
     def predicted(self, k: int) -> float:
         """Predicted speedup of drafting k tokens this step."""
         alpha = self.A / (self.A + self.R)
-        return expected_tokens(alpha, k) * self.costs.ar_step * self.scale_ar / (self._spec_s[k] * self.scale_spec)
+        return expected_tokens(alpha, k) * self.costs.ar_step / (k * self._draft_s * self.rho + self._verify_s[k])
 
     def _best_k(self, kmax: int) -> tuple[int, float]:
         """The longest k within NEAR_TIE of the best prediction (fixed per-step costs the
@@ -134,28 +137,36 @@ class AutoDrafter(Drafter):
 
     def begin_step(self, k: int) -> None:
         """A step drafting k tokens starts now (accepted() times it)."""
-        self._k, self._t0 = k, self._clock()
+        self._k, self._t0, self._t_verify = k, self._clock(), None
 
     def verify(self, step, draft):
+        self._t_verify = self._clock()  # drafting ends here (accepted() times both parts)
         return self.base.verify(step, draft)
+
+    def _learn_rho(self, drafted: int, draft_s: float, verify_s: float) -> None:
+        """One step's observation of rho. Its two parts ran milliseconds apart, so a machine
+        that slows down or speeds up (CPUs drift 1.5x and more) moves both alike, where whole
+        steps compared with a plain step timed earlier would read drift as draft cost and stop
+        drafting for nothing. A part preempted by another process is noise, not cost: one
+        observation moves rho by at most a factor 3 ** 0.2."""
+        model_draft, model_verify = drafted * self._draft_s, self._verify_s[drafted]
+        if model_draft <= 0 or model_verify <= 0 or draft_s <= 0 or verify_s <= 0:
+            return
+        observed = draft_s * model_verify / (model_draft * verify_s)
+        step = min(max(observed / self.rho, 1 / 3), 3.0)
+        self.rho *= step ** 0.2  # decay 0.8, in log space
 
     def accepted(self, step, draft, n):
         self.base.accepted(step, draft, n)
         d = len(draft.tokens)
-        elapsed = self._clock() - self._t0
         self.decisions.append(self._k)
-        # Observed/modelled time corrects the cost model online. Greedy only: when sampling,
-        # the choice of k decides how the RNG is consumed, and a seed must reproduce the
-        # output, so decisions there depend on acceptance and the (per-model) costs alone.
-        timing = self.timing and step.sampling.greedy
-        if draft.copied:  # a prompt-lookup copy (a lookup-first base): free, and says nothing of the self-draft
+        if draft.copied or self._k == 0 or d == 0:  # a lookup copy (free; says nothing of the self-draft), a plain step
             return
-        if self._k == 0 or d == 0:  # a plain decoding step (or a draft that came back empty)
-            if timing:
-                self.scale_ar = 0.8 * self.scale_ar + 0.2 * elapsed / self.costs.ar_step
-            return
-        if timing:
-            self.scale_spec = 0.8 * self.scale_spec + 0.2 * elapsed / self._spec_s[d]
+        # Greedy only: when sampling, the choice of k decides how the RNG is consumed, and a seed
+        # must reproduce the output, so decisions there depend on acceptance and the costs alone.
+        # (An engine that runs the passes itself never calls verify(): no split, nothing learnt.)
+        if self.timing and step.sampling.greedy and self._t_verify is not None:
+            self._learn_rho(d, self._t_verify - self._t0, self._clock() - self._t_verify)
         self.A = self.DECAY * self.A + n
         self.R = self.DECAY * self.R + (n < d)
         if self._best_k(self.max_draft)[1] >= 1.0:
