@@ -27,7 +27,7 @@ from rich.table import Table
 import selfspec
 from selfspec.config import SamplingConfig
 from selfspec.predictor.costs import time_call
-from selfspec.runtime import quantize_columns
+from selfspec.quant import quantize_columns
 from selfspec.sampling import probs_from_logits
 from selfspec.tools.datasets import load_dataset
 

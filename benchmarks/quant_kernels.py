@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import selfspec
 from selfspec import kernels
-from selfspec.runtime import quantize_columns
+from selfspec.quant import quantize_columns
 
 from common import machine
 

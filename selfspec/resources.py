@@ -27,8 +27,9 @@ from selfspec.draft_vocab import cached_frequency_order
 from selfspec.errors import SelfSpecError
 from selfspec.loading import cache_root, load_source, resolve_tokenizer
 from selfspec.predictor.costs import CostModel, head_key, load_costs, save_costs
+from selfspec.quant import quantize_columns
 from selfspec.quant_store import load_weights, save_weights, store_path
-from selfspec.runtime import _MATRICES, Runtime, quantize_columns
+from selfspec.runtime import _MATRICES, Runtime
 
 MAX_DRAFT_HEADS = 12  # restricted / quantized draft heads (search measures 11 at once)
 MAX_QUANTIZED = 2  # quantized copies of the model (int8: half the model's bytes each)

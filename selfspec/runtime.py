@@ -5,6 +5,7 @@ Primitives (what drafting and verification are built from):
   run_layers(h, start, end, pos)  -> h after layers start..end-1, KV written at pos..pos+T-1
   logits(h, head=None)            -> [T, V] (or [T, N] through a restricted draft head)
   argmax(h)                       -> the full head's argmax token per row (greedy; no [T, V] rows)
+  step_token(tokens, pos, end)    -> embed, run_layers, logits and their argmaxes in one C call (drafting)
 Sub-layers can be skipped per call (`skip_attn`, `skip_mlp`: the residual passes through).
 
 Tensors carry no batch dimension. Several sequences go through one pass with
@@ -15,11 +16,10 @@ produce *bit-identical* rows to T single-token steps (so speculative greedy outp
 autoregressive output exactly, not just up to rounding).
 
 On the CPU (bf16 and fp32, x86-64 with AVX2 + FMA, or AVX-512) that holds by construction: fused
-attention / MLP sub-layers, a pass's layers in one C call (kernels.FusedBlocks, csrc/blocks.c), whose matmuls are the
-fixed-chain kernel (csrc/gemm.c) and whose attention loops over exactly the visible keys in
-order; the final norm, LM head and soft-cap are the same kernels. Every row is computed alone
-with fixed reduction orders, whatever T, the thread count, alignment or the BLAS. (It was also
-~45% of a decode step's time to dispatch the ~60 small torch ops per layer it replaces.)
+attention / MLP sub-layers, a pass's layers in one C call (kernels.FusedBlocks, csrc/blocks.c),
+whose matmuls are the fixed-chain kernel (csrc/gemm.c) and whose attention loops over exactly
+the visible keys in order; the final norm, LM head and soft-cap are the same kernels. Every row
+is computed alone with fixed reduction orders, whatever T, the thread count, alignment or the BLAS.
 
 Elsewhere (CUDA; a CPU where the kernel cannot build) the torch path below is used and the
 guarantee rests on the BLAS picking the same kernel for every row count, which we encourage:
@@ -91,17 +91,6 @@ def _nbytes(w) -> int:
     return t.numel() * t.element_size()
 
 
-def quantize_columns(w: torch.Tensor, bits: int, group: int = INT4_GROUP, chunk: int = 16384):
-    """quantize(w) for a wide w [K, N] (an LM head), 16k columns at a time: the quantizers work
-    per column, so this is the same result with a fraction of the temporary memory."""
-    if w.shape[1] <= chunk:
-        return quantize(w, bits, group)
-    parts = [quantize(w[:, i : i + chunk], bits, group) for i in range(0, w.shape[1], chunk)]
-    cat = lambda name, dim: torch.cat([getattr(p, name) for p in parts], dim)  # noqa: E731
-    return kernels.QuantizedWeight(cat("q", 0), cat("scale", -1), None if bits == 8 else cat("zero", -1),
-                                   w.shape[0], w.shape[1], bits, parts[0].group)
-
-
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding, HF's rotate_half convention: x [..., T, D]; cos/sin [T, D]."""
     half = x.shape[-1] // 2
@@ -134,14 +123,12 @@ class Runtime:
         self.head = kernels.pack_rows(rows) if self.uses_kernels else rows.t().contiguous()  # [H, V]
         self._rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._rope_len = 0
-        self._layer_table = None  # _fused_layers' per-layer C arrays, made on first use
+        self._layer_table = self._step = None  # _layer_arrays' C arrays, step_token's kernels.StepArgmax: on first use
         self._last_masks: tuple = (None, {})
         s = spec
         self._q, self._kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         self._act = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}[s.activation]
-        self._embed_scale = (
-            None if s.embed_scale is None else torch.tensor(s.embed_scale, dtype=dtype).item()
-        )
+        self._embed_scale = None if s.embed_scale is None else torch.tensor(s.embed_scale, dtype=dtype).item()
         # CPU: fused sub-layers (kernels.FusedBlocks), all of a pass's layers in one C call, instead of ~30 torch ops each.
         self.blocks = None
         if self.uses_kernels:
@@ -235,6 +222,7 @@ class Runtime:
 
         q = copy.copy(self)  # shallow: spec, embeddings, norms, head and rope tables are shared
         q.layers = [{k: copy_of(i, k) if k in _MATRICES else w for k, w in L.items()} for i, L in enumerate(self.layers)]
+        q._step = None  # its own blocks
         q.blocks = kernels.FusedBlocks(
             hidden=self.spec.hidden_size, heads=self.spec.num_heads, kv_heads=self.spec.num_kv_heads,
             head_dim=self.spec.head_dim, inter=self.layers[0]["w_down"].shape[0], eps=self.spec.rms_norm_eps,
@@ -359,20 +347,36 @@ class Runtime:
                 h = h + self._mlp(i, h)
         return h
 
-    def _fused_layers(self, h: torch.Tensor, start: int, end: int, segs_ptr: int, nseg: int, rope: list[tuple[int, int]],
-                      skip_attn: frozenset[int], skip_mlp: frozenset[int], capture: dict | None = None) -> None:
-        """Layers start..end-1 of the fused blocks over h in place, one C call per stretch between
-        captured layers. rope: (cos, sin) addresses of the [T, D] fp32 rows, in self._rope order."""
-        table = self._layer_table
-        if table is None:  # per-layer windows and rotary kinds, as C arrays, once
+    def _layer_arrays(self, skip_attn: frozenset[int], skip_mlp: frozenset[int]):
+        """The fused blocks' per-layer C arrays: sliding windows, rotary kinds (made once) and
+        the skip flags of this skip set (kept per set)."""
+        if self._layer_table is None:
             n, kinds = self.num_layers, list(self._rope)
-            table = self._layer_table = ((ctypes.c_long * n)(*[w or 0 for w in self.spec.sliding_windows]),
-                                         (ctypes.c_int * n)(*[kinds.index(k) for k in self.spec.rope_kinds]), {})
-        windows, kinds, skips = table
+            self._layer_table = ((ctypes.c_long * n)(*[w or 0 for w in self.spec.sliding_windows]),
+                                 (ctypes.c_int * n)(*[kinds.index(k) for k in self.spec.rope_kinds]), {})
+        windows, kinds, skips = self._layer_table
         skip = skips.get((skip_attn, skip_mlp))
         if skip is None:
             skip = skips[(skip_attn, skip_mlp)] = (ctypes.c_ubyte * self.num_layers)(
                 *[(i in skip_attn) | 2 * (i in skip_mlp) for i in range(self.num_layers)])
+        return windows, kinds, skip
+
+    def step_token(self, tokens: list[int], pos: int, cache: KVCache, end: int, head=None,
+                   skip_attn: frozenset[int] = frozenset(), skip_mlp: frozenset[int] = frozenset()) -> list[int] | None:
+        """logits(run_layers(embed(tokens), 0, end, pos, cache, skip_attn, skip_mlp), head).argmax(-1).tolist()
+        in one C call (kernels.StepArgmax); None where the fused blocks do not run."""
+        if self.blocks is None or pos + len(tokens) > self._rope_len:
+            return None
+        if self._step is None:
+            self._step = kernels.StepArgmax(self)
+        return self._step.run(tokens, pos, segment_row(cache, pos, len(tokens)), end,
+                              self._layer_arrays(skip_attn, skip_mlp), self.head if head is None else head)
+
+    def _fused_layers(self, h: torch.Tensor, start: int, end: int, segs_ptr: int, nseg: int, rope: list[tuple[int, int]],
+                      skip_attn: frozenset[int], skip_mlp: frozenset[int], capture: dict | None = None) -> None:
+        """Layers start..end-1 of the fused blocks over h in place, one C call per stretch between
+        captured layers. rope: (cos, sin) addresses of the [T, D] fp32 rows, in self._rope order."""
+        windows, kinds, skip = self._layer_arrays(skip_attn, skip_mlp)
         cos = (ctypes.c_void_p * len(rope))(*[c for c, _ in rope])
         sin = (ctypes.c_void_p * len(rope))(*[s for _, s in rope])
         cuts = sorted(i for i in capture if start <= i < end) if capture else []

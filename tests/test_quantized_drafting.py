@@ -122,7 +122,7 @@ def test_copies_are_kept_on_disk_and_read_back(tmp_path, monkeypatch):
 @pytest.mark.parametrize("draft", [dict(strategy="quantized", num_speculations=5, draft_vocab=64),
                                    dict(strategy="quantized", num_speculations=6, draft_bits=4),
                                    dict(strategy="layer-skip", skip_mlp=(1,), num_speculations=4)])
-def test_a_guessed_draft_is_the_draft(model, draft, temperature):
+def test_a_guessed_draft_is_the_draft(model, draft, temperature, monkeypatch):
     """draft_guessed (one pass over [last token, guess...], rows used while the guess agrees)
     drafts exactly draft()'s tokens, and when sampling draws them from the same distributions
     with the same random numbers, whatever the guess: right, partly right, wrong, too long,
@@ -136,8 +136,9 @@ def test_a_guessed_draft_is_the_draft(model, draft, temperature):
     p = prompts(n=1, vocab=model.spec.vocab_size, lengths=(20,), seed=4)[0]
     sampling = SamplingConfig(temperature=temperature, top_p=0.95 if temperature else None, seed=3)
     calls = []
-    orig = drafter.draft_rt.run_layers
-    drafter.draft_rt.run_layers = lambda h, *a, **kw: (calls.append(h.shape[0]), orig(h, *a, **kw))[1]
+    orig, orig_step = drafter.draft_rt.run_layers, drafter.draft_rt.step_token
+    monkeypatch.setattr(drafter.draft_rt, "run_layers", lambda h, *a, **kw: (calls.append(h.shape[0]), orig(h, *a, **kw))[1])
+    monkeypatch.setattr(drafter.draft_rt, "step_token", lambda *a, **kw: (calls.append(1), orig_step(*a, **kw))[1])  # one row, one call
 
     def run(guess):
         cache = rt.new_cache(64)
@@ -165,3 +166,24 @@ def test_a_guessed_draft_is_the_draft(model, draft, temperature):
                 assert torch.equal(a.probs_at(ids), b.probs_at(ids)), name
         if name == "right":
             assert n == 1 < passes
+
+
+def test_greedy_drafts_are_the_same_in_one_call(model, monkeypatch):
+    """Greedy drafting without a guess takes Runtime.step_token (one C call a token); with it
+    forced off (the primitives, token by token) the drafts, acceptance and output are the same."""
+    p = prompts(n=1, vocab=model.spec.vocab_size, lengths=(16,), seed=9)[0]
+    cfgs = [dict(strategy="quantized", num_speculations=5, draft_vocab=64), dict(strategy="quantized", num_speculations=4),
+            dict(strategy="layer-skip", skip_mlp=(1,), num_speculations=4)]
+    calls = []
+    for cfg in cfgs:
+        d = model.draft_config(**cfg)
+        rt = model.drafter(d).draft_rt
+        step = rt.step_token
+        monkeypatch.setattr(rt, "step_token", lambda *a, **kw: (calls.append(1), step(*a, **kw))[1])
+        one = model.generate(p, max_new_tokens=40, draft=d)
+        monkeypatch.setattr(rt, "step_token", lambda *a, **kw: None)
+        primitives = model.generate(p, max_new_tokens=40, draft=d)
+        monkeypatch.undo()
+        assert one.token_ids == primitives.token_ids == ar_generate(model, p, max_new_tokens=40).token_ids, cfg
+        assert one.stats.per_position_accepted == primitives.stats.per_position_accepted and one.stats.drafted > 0, cfg
+    assert len(calls) > 20

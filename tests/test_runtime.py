@@ -394,3 +394,41 @@ def test_default_dtype_is_bfloat16_wherever_the_kernels_run(monkeypatch):
     monkeypatch.setenv("SELFSPEC_NO_KERNELS", "1")
     native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert default_dtype("cpu") == ("bfloat16" if native else "float32")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_step_token_is_the_primitives_argmax(variant, dtype):
+    """Runtime.step_token (one C call) is embed -> run_layers -> logits -> argmax through the
+    primitives: the same tokens and the same keys/values written, for one row and several, the
+    full head, a restricted head (prepared, and int8), a quantized copy of the layers, an early
+    exit and skipped sub-layers."""
+    from selfspec.quant import quantize_columns
+
+    arch, kw = VARIANTS[variant]
+    m = selfspec.load(build_hf(arch, seed=5, **kw), dtype=dtype)
+    rt = m.runtime
+    require_kernels(rt)
+    vocab = torch.arange(1, m.spec.vocab_size, 3)
+    heads = {"full": None, "restricted": rt.prepare_weight(rt.head_columns(vocab).contiguous()),
+             "int8": quantize_columns(rt.head_columns(vocab), 8)}
+    L = rt.num_layers
+    cases = [(rt, h, L, (), ()) for h in heads] + [(rt.quantized(8), "int8", L, (), ()), (rt.quantized(8), "full", L - 1, (), ()),
+                                                  (rt, "restricted", L, (1,), (0, 2))]
+    p = prompts(n=1, lengths=(12,), seed=3)[0]
+    with torch.inference_mode():
+        for r, name, end, skip_attn, skip_mlp in cases:
+            head, sa, sm = heads[name], frozenset(skip_attn), frozenset(skip_mlp)
+            one, ref = rt.new_cache(48), rt.new_cache(48)
+            for c in (one, ref):
+                rt.forward(torch.tensor(p), 0, c)
+            ids, pos = [p[-1]], len(p)
+            for j in range(8):  # 1 row, then 3, alternately
+                got = r.step_token(ids, pos, one, end, head, sa, sm)
+                h = r.run_layers(r.embed(torch.tensor(ids)), 0, end, pos, ref, sa, sm)
+                want = r.logits(h, head=head).argmax(-1).tolist()
+                assert got == want, (variant, name, end, j)
+                toks = want if head is None else vocab[want].tolist()
+                pos += len(ids)
+                ids = toks[-1:] if j % 2 else [toks[-1], (toks[-1] * 7 + 1) % m.spec.vocab_size, 5]
+            assert torch.equal(one.kt, ref.kt) and torch.equal(one.v, ref.v), (variant, name)

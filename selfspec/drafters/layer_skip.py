@@ -39,15 +39,20 @@ class LayerSkipDrafter(TokenDrafter):
         guess's keys and values; the next pass (or verification) overwrites them: the cache is
         indexed by position."""
         rt, d = self.draft_rt, Draft()
+        one_call = step.sampling.greedy and self.threshold is None  # argmaxes only: Runtime.step_token
         while len(d.tokens) < step.k:
             j = len(d.tokens)
             g = guess(d.tokens)[: step.k - j - 1] if guess is not None else []
             ids = [(d.tokens or step.tokens)[-1], *g]
-            h = rt.embed(torch.tensor(ids, device=rt.device))
-            h = rt.run_layers(h, 0, self.exit, step.pos + j, step.cache, self.skip_attn, self.skip_mlp)
-            logits = rt.logits(h, head=self.draft_head)  # row i: the draft's choice after ids[: i + 1]
+            picks = rt.step_token(ids, step.pos + j, step.cache, self.exit, self.draft_head, self.skip_attn,
+                                  self.skip_mlp) if one_call else None
+            if picks is None:
+                one_call = False
+                h = rt.embed(torch.tensor(ids, device=rt.device))
+                h = rt.run_layers(h, 0, self.exit, step.pos + j, step.cache, self.skip_attn, self.skip_mlp)
+                logits = rt.logits(h, head=self.draft_head)  # row i: the draft's choice after ids[: i + 1]
             for i in range(len(ids)):
-                if not self._choose(logits[i], step, d):
+                if not (self._take(picks[i], d) if picks is not None else self._choose(logits[i], step, d)):
                     return d
                 if i == len(g) or d.tokens[-1] != g[i]:  # the next row's input is not the draft's token
                     break

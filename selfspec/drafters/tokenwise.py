@@ -41,6 +41,7 @@ class TokenDrafter(Drafter):
         self.vocab: torch.Tensor | None = None  # restricted draft vocabulary (sorted ids), if any
         self.sub: SubVocab | None = None  # the same, for sampling (entry -> token and back)
         self.draft_head = None  # [H, N] prepared LM-head columns for `vocab`
+        self._vocab_ids: list[int] | None = None  # `vocab` as a list (index -> token without a torch op)
 
     def set_draft_vocab(self, vocab: torch.Tensor | None, head=None) -> None:
         """Draft over `vocab` (sorted ids; None: all) with `head`: those LM-head columns as the
@@ -50,6 +51,7 @@ class TokenDrafter(Drafter):
         if vocab is not None and head is None:
             head = self.rt.prepare_weight(self.rt.head_columns(vocab).contiguous())
         self.vocab, self.draft_head = vocab, head
+        self._vocab_ids = None if vocab is None else vocab.tolist()
         self.sub = None if vocab is None else SubVocab(vocab, self.rt.spec.vocab_size)
 
     def _new_threshold(self) -> AdaptiveThreshold | None:
@@ -61,6 +63,12 @@ class TokenDrafter(Drafter):
     def accepted(self, step, draft, n):
         if self.threshold is not None and self.cfg.adaptive:
             self.threshold.update(n, len(draft.tokens))
+
+    def _take(self, index: int, draft: Draft) -> bool:
+        """Append the greedy draft token at draft-head index `index`. -> whether to keep drafting."""
+        token = index if self.vocab is None else self._vocab_ids[index]
+        draft.tokens.append(token)
+        return token not in self.eos_ids
 
     def _choose(self, logits: torch.Tensor, step: Step, draft: Draft) -> bool:
         """Pick the next draft token from draft logits [N]; append it to `draft` unless its

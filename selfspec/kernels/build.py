@@ -124,6 +124,10 @@ def _load():
             dll.selfspec_layers_batch.restype = ctypes.c_int
             dll.selfspec_layers_batch.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_long] * 2 + [ctypes.c_void_p, ctypes.c_long]
                                                   + [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 5 + [ctypes.c_int])
+            dll.selfspec_step_argmax.restype = ctypes.c_int
+            dll.selfspec_step_argmax.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                                  ctypes.c_long, ctypes.c_float] + [ctypes.c_void_p] * 7 + [ctypes.c_float, ctypes.c_void_p,
+                                                  ctypes.c_int, ctypes.c_long, ctypes.c_float] + [ctypes.c_void_p] * 5 + [ctypes.c_int])
             dll.selfspec_norm_rows.restype = ctypes.c_int
             dll.selfspec_norm_rows.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
                                                ctypes.c_float, ctypes.c_void_p]
@@ -151,7 +155,7 @@ def _load():
             dll.selfspec_screen_pick.argtypes = ([ctypes.c_long] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
                                                  + [ctypes.c_void_p] * 2 + [ctypes.c_long] + [ctypes.c_void_p] * 6 + [ctypes.c_int])
             _lib = (fn, ref)
-            _blocks.update(layers=dll.selfspec_layers_batch,
+            _blocks.update(layers=dll.selfspec_layers_batch, step_argmax=dll.selfspec_step_argmax,
                            norm_rows=dll.selfspec_norm_rows, softcap=dll.selfspec_softcap,
                            qgemm=dll.selfspec_qgemm, qgemm_ref=dll.selfspec_qgemm_ref,
                            pairs=bool(dll.selfspec_has_pairs()), pairs_ref=dll.selfspec_gemm_pairs_ref)
