@@ -332,8 +332,7 @@ class Runtime:
             if pos + T > self._rope_len:
                 raise ValueError(f"run_layers: positions up to {pos + T} beyond the rotary tables ({self._rope_len}); make the cache with new_cache")
             seg = (ctypes.c_long * 8)(*segment_row(cache, pos, T))  # one sequence: no SegmentTable to build
-            rope = [(c.data_ptr() + pos * c.stride(0) * c.element_size(), s.data_ptr() + pos * s.stride(0) * s.element_size())
-                    for c, s in self._rope.values()]  # rows pos.. (contiguous); no tensor view on the decode path
+            rope = kernels.rope_rows(self._rope.values(), pos)
             self._fused_layers(h, start, end, ctypes.addressof(seg), 1, rope, skip_attn, skip_mlp, capture)
             return h
         masks = self.masks(pos, h.shape[0], cache)
@@ -368,17 +367,18 @@ class Runtime:
         if self.blocks is None or pos + len(tokens) > self._rope_len:
             return None
         if self._step is None:
-            self._step = kernels.StepArgmax(self)
-        return self._step.run(tokens, pos, segment_row(cache, pos, len(tokens)), end,
-                              self._layer_arrays(skip_attn, skip_mlp), self.head if head is None else head)
+            s = self.spec
+            self._step = kernels.StepArgmax(self.blocks, self.head if self.embed_weight is None else self.embed_weight,
+                                            self._embed_scale, self.final_norm, s.rms_norm_eps, s.final_logit_softcap)
+        return self._step.run(tokens, segment_row(cache, pos, len(tokens)), end, self._layer_arrays(skip_attn, skip_mlp),
+                              kernels.rope_rows(self._rope.values(), pos), self.head if head is None else head)
 
-    def _fused_layers(self, h: torch.Tensor, start: int, end: int, segs_ptr: int, nseg: int, rope: list[tuple[int, int]],
+    def _fused_layers(self, h: torch.Tensor, start: int, end: int, segs_ptr: int, nseg: int, rope: tuple,
                       skip_attn: frozenset[int], skip_mlp: frozenset[int], capture: dict | None = None) -> None:
         """Layers start..end-1 of the fused blocks over h in place, one C call per stretch between
-        captured layers. rope: (cos, sin) addresses of the [T, D] fp32 rows, in self._rope order."""
+        captured layers. rope: kernels.rope_rows' (cos, sin) of h's [T, D] fp32 rows."""
         windows, kinds, skip = self._layer_arrays(skip_attn, skip_mlp)
-        cos = (ctypes.c_void_p * len(rope))(*[c for c, _ in rope])
-        sin = (ctypes.c_void_p * len(rope))(*[s for _, s in rope])
+        cos, sin = rope
         cuts = sorted(i for i in capture if start <= i < end) if capture else []
         a, threads = start, kernels.threads()
         for b in cuts + [end]:
@@ -413,7 +413,7 @@ class Runtime:
             raise ValueError(f"run_layers_batch: positions beyond the rotary tables ({self._rope_len}); make the caches with new_cache")
         idx = torch.tensor(segs.positions(), dtype=torch.long)
         rows = [(c.index_select(0, idx), s.index_select(0, idx)) for c, s in self._rope.values()]  # [T, D] per row
-        self._fused_layers(h, start, end, segs.ptr, segs.count, [(c.data_ptr(), s.data_ptr()) for c, s in rows],
+        self._fused_layers(h, start, end, segs.ptr, segs.count, kernels.rope_rows(rows, 0),
                            skip_attn, skip_mlp)
         return h
 

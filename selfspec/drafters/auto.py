@@ -86,7 +86,6 @@ class AutoDrafter(Drafter):
         self.wait, self.backoff = 0, self.BASE_BACKOFF
         self.rho = 1.0  # (observed / modelled draft time) / (observed / modelled verify time)
         self.decisions = []
-        self._t_verify = None
 
     def predicted(self, k: int) -> float:
         """Predicted speedup of drafting k tokens this step."""

@@ -52,13 +52,13 @@ gemm (matmul), blocks (fused sub-layers, norm, soft-cap), sampling (csrc/samplin
 
 from __future__ import annotations
 
-from selfspec.kernels.blocks import FusedBlocks, StepArgmax, norm_rows, softcap_
+from selfspec.kernels.blocks import FusedBlocks, StepArgmax, norm_rows, rope_rows, softcap_
 from selfspec.kernels.build import _cpu_flags, available, build_id, has_pairs, load_error
 from selfspec.kernels.gemm import _reference_fp32, _reference_pairs, matmul, supports
 from selfspec.kernels.sampling import sampling_functions
 from selfspec.kernels.pool import compute_scope, threads
 from selfspec.kernels.weights import PackedWeight, QuantizedWeight, _qgemm_ref, pack, pack_rows, quant_errors
 
-__all__ = ["available", "has_pairs", "supports", "matmul", "pack", "pack_rows", "PackedWeight", "FusedBlocks", "StepArgmax", "norm_rows",
+__all__ = ["available", "has_pairs", "supports", "matmul", "pack", "pack_rows", "PackedWeight", "FusedBlocks", "StepArgmax", "rope_rows", "norm_rows",
            "softcap_", "QuantizedWeight", "quant_errors", "sampling_functions", "build_id", "load_error", "threads",
            "compute_scope"]

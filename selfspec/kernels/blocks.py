@@ -10,6 +10,7 @@ import torch
 
 from selfspec.kernels import build
 from selfspec.kernels.build import available
+from selfspec.kernels.gemm import operand
 from selfspec.kernels.pool import threads
 from selfspec.kernels.weights import PackedWeight, QuantizedWeight
 
@@ -97,25 +98,33 @@ class FusedBlocks:
 
 
 
+def rope_rows(tables, pos: int) -> tuple[ctypes.Array, ctypes.Array]:
+    """The layer loop's cos and sin arguments: the address of row `pos` of each [len, D] fp32
+    table (cos, sin) in `tables` (rows pos.. are contiguous; no tensor view on the decode path)."""
+    tables = list(tables)
+    at = lambda t: t.data_ptr() + pos * t.stride(0) * t.element_size()  # noqa: E731
+    return (ctypes.c_void_p * len(tables))(*[at(c) for c, _ in tables]), (ctypes.c_void_p * len(tables))(*[at(s) for _, s in tables])
+
+
 class StepArgmax:
     """Runtime.step_token's C call (csrc/blocks.c, selfspec_step_argmax): the embedding, layers,
     final norm, head, soft-cap and argmax of a few rows, the kernels the primitives call, in the
     same order. A layer pass streams every weight through the caches and evicts the interpreter's
     and torch's code, so the handful of small ops around it cost ~0.5 ms a draft token on the
-    default model (a tenth of the token); here they are loops in C. Scratch is per thread."""
+    default model (a tenth of the token); here they are loops in C. Scratch is per thread.
 
-    def __init__(self, rt):
-        self.rt, self.blocks = rt, rt.blocks
-        if rt.embed_weight is not None:  # untied: plain [V, H] rows
-            emb, self.emb_kind = rt.embed_weight.contiguous(), 0
-        else:  # tied: the packed LM head's columns
-            emb, self.emb_kind = rt.head.data, 2 if rt.head.pairs else 1
-        if emb.dtype != self.blocks.dtype:
+    embed: the embedding rows, a plain [V, H] tensor or (tied) the packed LM head [H, V], in the
+    blocks' dtype; embed_scale: None or the factor (rounded to that dtype) the rows are scaled by."""
+
+    def __init__(self, blocks: FusedBlocks, embed, embed_scale: float | None, final_norm: torch.Tensor, eps: float,
+                 softcap: float | None):
+        packed = isinstance(embed, PackedWeight)
+        self.emb = embed.data if packed else embed.contiguous()
+        self.emb_kind = (2 if embed.pairs else 1) if packed else 0
+        if self.emb.dtype != blocks.dtype:
             raise ValueError("StepArgmax: embeddings must be in the blocks' storage dtype")
-        self.emb = emb
-        self.scale = rt._embed_scale or 0.0
-        self.norm = rt.final_norm.detach().float().contiguous()
-        self.cap = rt.spec.final_logit_softcap or 0.0
+        self.blocks, self.scale, self.eps, self.cap = blocks, embed_scale or 0.0, eps, softcap or 0.0
+        self.norm = final_norm.detach().float().contiguous()
         self._local = threading.local()
 
     def _scratch(self, rows: int, n: int) -> tuple[torch.Tensor, ...]:
@@ -123,38 +132,31 @@ class StepArgmax:
         int64: grown when needed, kept per thread."""
         bufs = getattr(self._local, "bufs", None)
         if bufs is None or bufs[0].shape[0] < rows or bufs[2].shape[1] < n:
-            H, dt = self.rt.spec.hidden_size, self.blocks.dtype
+            H, dt = self.blocks.dims.hidden, self.blocks.dtype
             r = max(rows, bufs[0].shape[0] if bufs else 0)
             n = max(n, bufs[2].shape[1] if bufs else 0)
             bufs = self._local.bufs = (torch.empty(r, H, dtype=dt), torch.empty(r, H, dtype=dt), torch.empty(r, n, dtype=dt),
                                        torch.empty(r, n, dtype=torch.float32), torch.empty(r, dtype=torch.long))
         return bufs
 
-    def run(self, tokens: list[int], pos: int, seg: list[int], end: int, arrays, head) -> list[int]:
+    def run(self, tokens: list[int], seg: list[int], end: int, arrays, rope, head) -> list[int]:
         """seg: cache.segment_row's 8 numbers; arrays: Runtime._layer_arrays' (windows, rope
-        kinds, skip flags); head: [H, N], a PackedWeight, QuantizedWeight or plain tensor."""
-        if isinstance(head, QuantizedWeight):
-            hp, layout = ctypes.addressof(head.desc), 3
-        elif isinstance(head, PackedWeight):
-            hp, layout = head.data.data_ptr(), 2 if head.pairs else 1
-        else:
-            head = head.contiguous()
-            hp, layout = head.data_ptr(), 0
+        kinds, skip flags); rope: rope_rows' (cos, sin) at the first token's position; head:
+        [H, N], anything matmul takes."""
+        head = head if isinstance(head, (PackedWeight, QuantizedWeight)) else head.contiguous()
+        hp, layout, _ = operand(head)
         T, n = len(tokens), head.shape[1]
         h, xn, y, yf, out = self._scratch(T, n)
         windows, kinds, skip = arrays
-        rope = list(self.rt._rope.values())  # [len, D] fp32 tables: rows pos..pos+T-1
-        cos = (ctypes.c_void_p * len(rope))(*[c.data_ptr() + pos * c.stride(0) * c.element_size() for c, _ in rope])
-        sin = (ctypes.c_void_p * len(rope))(*[s.data_ptr() + pos * s.stride(0) * s.element_size() for _, s in rope])
         segs, toks = (ctypes.c_long * 8)(*seg), (ctypes.c_long * T)(*tokens)
         rc = build._blocks["step_argmax"](
             ctypes.addressof(self.blocks.dims), self.blocks._layer_array, end, self.emb.data_ptr(), self.emb_kind, toks, T,
-            self.scale, ctypes.addressof(segs), windows, kinds, cos, sin, skip, self.norm.data_ptr(),
-            self.rt.spec.rms_norm_eps, hp, layout, n, self.cap, h.data_ptr(), xn.data_ptr(), y.data_ptr(),
-            yf.data_ptr(), out.data_ptr(), threads())
+            self.scale, ctypes.addressof(segs), windows, kinds, *rope, skip, self.norm.data_ptr(), self.eps, hp, layout, n,
+            self.cap, h.data_ptr(), xn.data_ptr(), y.data_ptr(), yf.data_ptr(), out.data_ptr(), threads())
         if rc:
             raise RuntimeError(f"kernels: step returned {rc}")
         return out[:T].tolist()
+
 
 def norm_rows(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of every row of h [T, H] (bf16/fp32, CPU) times w (fp32 [H]), in h's dtype:

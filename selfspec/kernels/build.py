@@ -133,9 +133,6 @@ def _load():
                                                ctypes.c_float, ctypes.c_void_p]
             dll.selfspec_softcap.restype = ctypes.c_int
             dll.selfspec_softcap.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_float]
-            dll.selfspec_qgemm.restype = ctypes.c_int
-            dll.selfspec_qgemm.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                                           ctypes.c_int, ctypes.c_int]
             dll.selfspec_qgemm_ref.restype = ctypes.c_int
             dll.selfspec_qgemm_ref.argtypes = [ctypes.c_long] + [ctypes.c_void_p] * 3
             dll.selfspec_act_residual.restype = ctypes.c_int
@@ -157,7 +154,7 @@ def _load():
             _lib = (fn, ref)
             _blocks.update(layers=dll.selfspec_layers_batch, step_argmax=dll.selfspec_step_argmax,
                            norm_rows=dll.selfspec_norm_rows, softcap=dll.selfspec_softcap,
-                           qgemm=dll.selfspec_qgemm, qgemm_ref=dll.selfspec_qgemm_ref,
+                           qgemm_ref=dll.selfspec_qgemm_ref,
                            pairs=bool(dll.selfspec_has_pairs()), pairs_ref=dll.selfspec_gemm_pairs_ref)
             _blocks["dll"] = dll  # sampling_functions() registers its own entry points
             dll.selfspec_set_pairs_many_min.argtypes = [ctypes.c_long]

@@ -50,6 +50,16 @@ def _check(x, w) -> str | None:
     return None
 
 
+def operand(w) -> tuple[int, int, bool]:
+    """(address, layout, bf16) of a checked weight as csrc/gemm.c's selfspec_gemm takes it:
+    layout 0 a plain [K, N] tensor, 1 packed tiles, 2 bf16 pairs, 3 a QuantizedWeight's descriptor."""
+    if isinstance(w, QuantizedWeight):
+        return ctypes.addressof(w.desc), 3, False
+    if isinstance(w, PackedWeight):
+        return w.data.data_ptr(), 2 if w.pairs else 1, w.data.dtype == torch.bfloat16
+    return w.data_ptr(), 0, w.dtype == torch.bfloat16
+
+
 def supports(x, w) -> bool:
     """available() and matmul(x, w) would accept these operands."""
     return available() and _check(x, w) is None
@@ -78,17 +88,8 @@ def matmul(x: torch.Tensor, w: torch.Tensor | PackedWeight | QuantizedWeight, *,
         return y.zero_()
     x = x.detach().contiguous()
     nt = threads() if num_threads is None else int(num_threads)
-    if isinstance(w, QuantizedWeight):
-        rc = build._blocks["qgemm"](m, x.data_ptr(), x.dtype == torch.bfloat16, ctypes.addressof(w.desc), y.data_ptr(),
-                              y.dtype == torch.bfloat16, nt)
-        if rc != 0:
-            raise RuntimeError(f"kernels.matmul: quantized kernel returned {rc}")
-        return y
-    packed = isinstance(w, PackedWeight)
-    wt = (w.data if packed else w).detach()
-    layout = 2 if packed and w.pairs else int(packed)
-    rc = fn(m, k, n, x.data_ptr(), x.dtype == torch.bfloat16, wt.data_ptr(), wt.dtype == torch.bfloat16,
-            layout, y.data_ptr(), y.dtype == torch.bfloat16, nt)
+    wp, layout, w_bf16 = operand(w)  # layout 3: selfspec_gemm hands a QuantizedWeight to quant.c's chains
+    rc = fn(m, k, n, x.data_ptr(), x.dtype == torch.bfloat16, wp, w_bf16, layout, y.data_ptr(), y.dtype == torch.bfloat16, nt)
     if rc != 0:
         raise RuntimeError(f"kernels.matmul: kernel returned {rc}")
     return y

@@ -4,7 +4,7 @@ Sources (`--data`, several allowed):
   PATH.jsonl   one JSON object per line: {"text": ...}, or {"prompt": ..., "response": ...}
                (the loss then covers the response and its end-of-text token only)
   PATH         a text file, or a directory: every *.py *.txt *.md *.rst below it (sorted)
-  hf:NAME[:config]:split   a Hugging Face data set through `datasets` (local cache or hub)
+  hf:NAME[:config]:split   a Hugging Face data set through `datasets`, from its local cache only
   stdlib       offline: the Python standard library's source (tests and codec tables left
                out), the language reference in `pydoc_data.topics`, and license texts found
                on this machine (see selfspec.tools.builtin_sets.license_files)
