@@ -196,7 +196,8 @@ def generate(
         out.push([first], [False])
         while out.finish is None:
             remaining = gen.max_new_tokens - len(out.ids)
-            step = Step(tokens, len(tokens) - 1, min(K, remaining - 1), cache, sampling, rng)
+            step = Step(tokens, len(tokens) - 1, min(K, remaining - 1), cache, sampling, rng,
+                        room=min(MAX_SPECULATIONS, remaining - 1) if sampling.greedy else 0)
             t0 = clock()
             draft = drafter.draft(step)
             t1 = clock()
@@ -212,6 +213,9 @@ def generate(
             stats.verify_steps += 1
             stats.drafted += len(draft.tokens)
             stats.accepted += n
+            for _ in range(len(draft.tokens) - len(stats.per_position_drafted)):  # a copied tail (Draft.tail) can pass K
+                stats.per_position_drafted.append(0)
+                stats.per_position_accepted.append(0)
             for i in range(len(draft.tokens)):
                 stats.per_position_drafted[i] += 1
                 stats.per_position_accepted[i] += i < n

@@ -187,3 +187,37 @@ def test_greedy_drafts_are_the_same_in_one_call(model, monkeypatch):
         assert one.token_ids == primitives.token_ids == ar_generate(model, p, max_new_tokens=40).token_ids, cfg
         assert one.stats.per_position_accepted == primitives.stats.per_position_accepted and one.stats.drafted > 0, cfg
     assert len(calls) > 20
+
+
+def test_a_copys_tail_is_verified_past_the_self_draft(monkeypatch):
+    """Greedy, lookup-first: where a prompt-lookup copy foretold the whole self-draft, the
+    copy's next tokens are verified too (Draft.tail, up to Step.room): output stays plain
+    decoding's, the wrapped drafter hears of its own tokens only, and sampling never gets a
+    tail (a copy is accepted with probability p(x) there). The model has no attention output
+    (zeroed o_proj), so its next token depends on the last one only and greedy text loops."""
+    from selfspec.drafters import LookupFirstDrafter
+
+    hf = build_hf("gemma3", seed=3, num_layers=4, hidden_size=128, intermediate_size=256, vocab_size=256, head_dim=32)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+    m = selfspec.load(hf, dtype="float32")
+    K, N = 3, 40
+    opts = dict(strategy="quantized", num_speculations=K, lookup_first=True)
+    heard = []
+    orig = QuantizedDrafter.accepted
+    monkeypatch.setattr(QuantizedDrafter, "accepted", lambda self, step, d, n: (heard.append((len(d.tokens), n)), orig(self, step, d, n))[1])
+    for p in prompts(n=3, vocab=m.spec.vocab_size, lengths=(8, 12), seed=11):
+        ar = ar_generate(m, p, max_new_tokens=N).token_ids
+        out = m.generate(p, max_new_tokens=N, **opts)
+        assert out.token_ids == ar
+        assert len(out.stats.per_position_drafted) > K and out.stats.per_position_accepted[K] > 0  # tails, accepted
+        assert out.stats.verify_steps < N / (K + 1)
+        gated = m.generate(p, max_new_tokens=N, draft=DraftConfig("auto", base=DraftConfig(**opts)))  # auto sizes the tail
+        assert gated.token_ids == ar
+        sampled = m.generate(p, max_new_tokens=N, temperature=0.8, seed=1, **opts)
+        assert len(sampled.stats.per_position_drafted) == K
+    assert heard and all(d <= K and n <= d for d, n in heard)
+    monkeypatch.setattr(LookupFirstDrafter, "_with_tail", lambda self, step, own: own)
+    out = m.generate(p, max_new_tokens=N, **opts)
+    assert out.token_ids == ar and len(out.stats.per_position_drafted) == K

@@ -316,6 +316,37 @@ def test_auto_tells_a_drifting_machine_from_a_dear_draft():
     assert d.rho > 2.5 and d.decisions.count(0) > 0.6 * len(d.decisions), (d.decisions, d.rho)
 
 
+def test_auto_prices_a_copys_tail_by_the_rows_it_adds():
+    """tail_room: the copied tail (Draft.tail) that maximises the step's predicted rate. Rows
+    that cost nothing more (bandwidth-bound verification): all the room; rows that each cost
+    as much as the step's own verification: none; a tail the copies keep getting wrong: none."""
+    from selfspec.drafters import make_drafter
+
+    m = _ideal()
+    base = make_drafter(m.runtime, DraftConfig("early-exit", exit_layer=2, num_speculations=4))
+
+    def auto(costs, tail=None):
+        d = AutoDrafter(m.runtime, DraftConfig("auto"), base=base, costs=costs)
+        d._reset()
+        d._model_costs()
+        d.A, d.R = 9.0, 1.0
+        if tail is not None:
+            d.At, d.Rt = tail
+        return d
+
+    rows = (1, 2, 3, 5, 9, 17)
+    dear = CostModel(6, {r: r / 2 for r in rows}, {r: r / 2 for r in rows}, {r: float(r) for r in rows}, {100: 0.5})
+    assert auto(_fake_costs(L=6, head=1.0)).tail_room(4, 12) == 12
+    assert auto(_fake_costs(L=6, head=1.0)).tail_room(4, 3) == 3
+    assert auto(_fake_costs(L=6, head=1.0)).tail_room(4, 0) == 0
+    assert auto(dear).tail_room(4, 12) == 0
+    assert auto(_fake_costs(L=6, head=1.0), tail=(0.0, 5.0)).tail_room(4, 12) == 0
+    # rows that get dearer past 9: the tail stops where the next rows cost more than they bring
+    knee = CostModel(6, {1: 0.5, 2: 0.5, 3: 0.5, 5: 0.5, 9: 0.5, 17: 4.0}, {1: 0.5, 2: 0.5, 3: 0.5, 5: 0.5, 9: 0.5, 17: 4.0},
+                     {r: 1.0 for r in rows}, {100: 0.5})
+    assert 0 < auto(knee, tail=(9.0, 1.0)).tail_room(4, 12) < 12
+
+
 def ar_gen(n):
     from selfspec.config import GenerationConfig
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+from selfspec.config import MAX_SPECULATIONS
 from selfspec.drafters.base import Drafter
 from selfspec.predictor.calibrate import prefill_capturing
 from selfspec.predictor.simulate import expected_tokens
@@ -32,6 +33,7 @@ class AutoDrafter(Drafter):
     BASE_BACKOFF, MAX_BACKOFF = 8, 128
     PRIOR = (1.0, 1.0)  # without calibration, alpha starts at 0.5, worth two observations
     PRIOR_WEIGHT = 4.0
+    TAIL_PRIOR = (3.0, 1.0)  # a copy that foretold a whole self-draft: its next tokens start at 0.75
 
     def __init__(self, runtime, cfg, eos_ids=(), base: Drafter | None = None, costs=None,
                  choose_base=None, capture_exits: tuple[int, ...] = (), prior: tuple[float, float] | None = None,
@@ -79,10 +81,11 @@ class AutoDrafter(Drafter):
         generation's base: fixed per generation, so the per-step decision is arithmetic only."""
         c, cfg = self.costs, self.base.cfg
         self._draft_s = c.draft_token(cfg)
-        self._verify_s = [c.verify_step(cfg, k, exit_cached=False) for k in range(self.max_draft + 1)]
+        self._verify_s = [c.verify_step(cfg, k, exit_cached=False) for k in range(MAX_SPECULATIONS + 1)]
 
     def _reset(self) -> None:
         self.A, self.R = self.prior
+        self.At, self.Rt = self.TAIL_PRIOR  # decayed counts of copied-tail tokens accepted / tails cut short
         self.wait, self.backoff = 0, self.BASE_BACKOFF
         self.rho = 1.0  # (observed / modelled draft time) / (observed / modelled verify time)
         self.decisions = []
@@ -119,7 +122,30 @@ class AutoDrafter(Drafter):
             self._model_costs()
         k = self.plan(step.k)
         self.begin_step(k)
-        return self.base.draft(replace(step, k=k))  # k = 0 still resets the base's per-step state
+        room = k + self.tail_room(k, step.room - k) if k else 0
+        return self.base.draft(replace(step, k=k, room=room))  # k = 0 still resets the base's per-step state
+
+    def tail_room(self, k: int, most: int) -> int:
+        """How many copied tokens past a k-token self-draft this step may verify (Draft.tail;
+        lookup_first makes them where a copy foretold the whole draft): the t <= most that
+        maximises the step's predicted rate
+
+            (E[N](alpha, k) + alpha^k sum_{j<=t} beta^j) / (k t_draft rho + t_verify(k + t))
+
+        alpha^k: the chance the tail is reached at all; beta = At / (At + Rt), the learnt
+        acceptance of a tail's tokens. Verifying a row more costs little while decoding is
+        bandwidth-bound and more once the rows make it compute-bound: the cost tables say where."""
+        if most <= 0:
+            return 0
+        alpha, beta = self.A / (self.A + self.R), self.At / (self.At + self.Rt)
+        base, reach, draft_s = expected_tokens(alpha, k), alpha**k, k * self._draft_s * self.rho
+        best, best_rate, gain = 0, base / (draft_s + self._verify_s[k]), 0.0
+        for t in range(1, min(most, len(self._verify_s) - 1 - k) + 1):
+            gain += beta**t
+            rate = (base + reach * gain) / (draft_s + self._verify_s[k + t])
+            if rate > best_rate:
+                best, best_rate = t, rate
+        return best
 
     # -- for engines that run the forward passes themselves (selfspec.batch) --------------
 
@@ -142,13 +168,13 @@ class AutoDrafter(Drafter):
         self._t_verify = self._clock()  # drafting ends here (accepted() times both parts)
         return self.base.verify(step, draft)
 
-    def _learn_rho(self, drafted: int, draft_s: float, verify_s: float) -> None:
+    def _learn_rho(self, drafted: int, verified: int, draft_s: float, verify_s: float) -> None:
         """One step's observation of rho. Its two parts ran milliseconds apart, so a machine
         that slows down or speeds up (CPUs drift 1.5x and more) moves both alike, where whole
         steps compared with a plain step timed earlier would read drift as draft cost and stop
         drafting for nothing. A part preempted by another process is noise, not cost: one
         observation moves rho by at most a factor 3 ** 0.2."""
-        model_draft, model_verify = drafted * self._draft_s, self._verify_s[drafted]
+        model_draft, model_verify = drafted * self._draft_s, self._verify_s[verified]
         if model_draft <= 0 or model_verify <= 0 or draft_s <= 0 or verify_s <= 0:
             return
         observed = draft_s * model_verify / (model_draft * verify_s)
@@ -157,7 +183,11 @@ class AutoDrafter(Drafter):
 
     def accepted(self, step, draft, n):
         self.base.accepted(step, draft, n)
-        d = len(draft.tokens)
+        d = len(draft.tokens) - draft.tail  # a copied tail says nothing of the self-draft either
+        if draft.tail and n >= d:  # the tail was reached: what its tokens are worth
+            self.At = self.DECAY * self.At + (n - d)
+            self.Rt = self.DECAY * self.Rt + (n < len(draft.tokens))
+        n = min(n, d)
         self.decisions.append(self._k)
         if draft.copied or self._k == 0 or d == 0:  # a lookup copy (free; says nothing of the self-draft), a plain step
             return
@@ -165,7 +195,7 @@ class AutoDrafter(Drafter):
         # must reproduce the output, so decisions there depend on acceptance and the costs alone.
         # (An engine that runs the passes itself never calls verify(): no split, nothing learnt.)
         if self.timing and step.sampling.greedy and self._t_verify is not None:
-            self._learn_rho(d, self._t_verify - self._t0, self._clock() - self._t_verify)
+            self._learn_rho(d, len(draft.tokens), self._t_verify - self._t0, self._clock() - self._t_verify)
         self.A = self.DECAY * self.A + n
         self.R = self.DECAY * self.R + (n < d)
         if self._best_k(self.max_draft)[1] >= 1.0:

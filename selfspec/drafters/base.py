@@ -42,6 +42,7 @@ class Step:
     cache: KVCache
     sampling: SamplingConfig
     rng: torch.Generator
+    room: int = 0  # greedy: the most tokens a draft may hold when those past k are copies (0: k)
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Draft:
     tokens: list[int] = field(default_factory=list)
     dists: list[Dist] = field(default_factory=list)  # the distribution each token was drawn from; sampling only
     copied: bool = False  # copied from the context (prompt lookup): free, and no evidence of how a self-draft agrees
+    tail: int = 0  # the last `tail` tokens are such copies, past what the self-draft drafted (greedy)
 
 
 class Drafter:
