@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import selfspec
+from selfspec import kernels
 from selfspec.batch import BatchCosts, BatchEngine, BatchRequest
 from selfspec.batch import planner
 from selfspec.batch.engine import PREFILL_PATIENCE, default_prefill_chunk
@@ -119,6 +120,32 @@ def test_mixed_strategies_and_samplings_in_one_batch(zoo):
                        seed=s.seed).token_ids for p, c, s in zip(ps, cfgs, samplings)]
     got = _run(m, [_req(p, c, sampling=s) for p, c, s in zip(ps, cfgs, samplings)], {5: 4}, plan_drafts=False)
     assert [r.token_ids for r in got] == solo
+
+
+@pytest.mark.skipif(not kernels.available(), reason="quantized drafting needs the kernels")
+def test_a_greedy_sequence_alone_steps_as_generate_does(monkeypatch):
+    """Decoding alone (no other rows this step), a greedy sequence takes generate's own step:
+    its drafter's path (one-call draft passes, lookup guesses, copied tails), the same drafts
+    and steps as generate. In company it is batched (the drafts of all run as one call)."""
+    from selfspec.drafters import LayerSkipDrafter
+
+    m = _ideal("float32")
+    calls = []
+    orig = LayerSkipDrafter.draft_guessed
+    monkeypatch.setattr(LayerSkipDrafter, "draft_guessed", lambda self, *a, **kw: (calls.append(1), orig(self, *a, **kw))[1])
+    ps = prompts(n=2, seed=2, lengths=(9, 9))
+    cfg = DraftConfig("quantized", num_speculations=3)
+    solo = [m.generate(p, max_new_tokens=N_NEW, draft=cfg) for p in ps]
+    calls.clear()
+    got = _run(m, [_req(ps[0], cfg)])[0]
+    assert got.token_ids == solo[0].token_ids and calls
+    assert (got.stats.verify_steps, got.stats.per_position_drafted) == (solo[0].stats.verify_steps, solo[0].stats.per_position_drafted)
+    calls.clear()
+    got = _run(m, [_req(p, cfg) for p in ps], plan_drafts=False)
+    assert [r.token_ids for r in got] == [r.token_ids for r in solo] and not calls
+    sampled = SamplingConfig(temperature=0.9, seed=1)
+    got = _run(m, [_req(ps[0], cfg, sampling=sampled)])[0]  # sampling keeps the batched path (and the solo tokens)
+    assert not calls and got.token_ids == m.generate(ps[0], max_new_tokens=N_NEW, draft=cfg, temperature=0.9, seed=1).token_ids
 
 
 def test_auto_calibrating_on_its_own_prefill_runs_solo_steps(zoo):

@@ -17,7 +17,8 @@ A step (sequences join and leave only between steps):
   5. accept with the solo functions (greedy prefix / speculative sampling), commit, stream,
      and retire finished sequences at once.
 Every row is computed as in a solo run (row-invariant kernels), so a request's tokens do not
-depend on what else is in the batch or when it joined.
+depend on what else is in the batch or when it joined. A greedy sequence decoding alone (one
+client, or the last of a batch) takes generate's own step instead (BatchEngine._alone).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from selfspec.batch.passes import Part, draft_depth, signature, staged_forward, 
 from selfspec.batch.planner import BatchCosts, CostScale, plan_with_probes, predicted
 from selfspec.batch.sequence import BatchHandle, BatchRequest, Sequence
 from selfspec.config import MAX_SPECULATIONS
+from selfspec.drafters import EarlyExitDrafter
 from selfspec.sampling import Rows
 from selfspec.verification import greedy_accept, speculative_accept
 
@@ -180,6 +182,9 @@ class BatchEngine:
             self._solo_step(s)
         batched = [s for s in decoding if s.kind != "solo"]
         prefill = self._prefill_parts()
+        if len(batched) == 1 and not prefill and self._alone(batched[0]):
+            self._solo_step(batched[0], alone=True)
+            return
         t0 = clock()
         for s in batched:
             s.new_step()
@@ -303,10 +308,21 @@ class BatchEngine:
             s.actor.accepted(step, d, n)
         s.commit(n, nxt)
 
-    def _solo_step(self, s: Sequence) -> None:
+    @staticmethod
+    def _alone(s: Sequence) -> bool:
+        """A greedy sequence decoding alone (no other rows this step) takes generate's own step:
+        there is nothing to batch its drafts with, and its drafter's own path is the faster one
+        (one-call draft passes, prompt-lookup guesses, copied tails; auto's own gating). Greedy
+        output is plain decoding's either way; early exit keeps exit states per step the batched
+        path holds on the sequence, so it stays there."""
+        return s.req.sampling.greedy and s.kind != "plain" and not isinstance(s.actor, EarlyExitDrafter)
+
+    def _solo_step(self, s: Sequence, alone: bool = False) -> None:
         """A sequence whose drafter runs its own passes: exactly engine.generate's loop body."""
         clock = time.perf_counter
         step = s.new_step()
+        if alone:
+            step.room = min(MAX_SPECULATIONS, s.remaining - 1)  # as generate's step (Draft.tail)
         t0 = clock()
         with torch.inference_mode():
             d = s.drafter.draft(step)

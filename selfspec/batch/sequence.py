@@ -190,6 +190,9 @@ class Sequence:
         st.verify_steps += 1
         st.drafted += len(d)
         st.accepted += n
+        for _ in range(len(d) - len(st.per_position_drafted)):  # a copied tail (Draft.tail) can pass K
+            st.per_position_drafted.append(0)
+            st.per_position_accepted.append(0)
         for i in range(len(d)):
             st.per_position_drafted[i] += 1
             st.per_position_accepted[i] += i < n
