@@ -30,7 +30,8 @@ _HELP = {
     "draft_vocab": "draft over the N most frequent tokens only (verification uses all)",
     "max_ngram": "prompt-lookup: longest n-gram to match",
     "adapter": "exit-adapter: the trained adapter file (selfspec train --recipe exit-adapter)",
-    "lookup_first": "early-exit/layer-skip/exit-adapter/quantized: use a prompt-lookup match when there is one",
+    "lookup_first": ("early-exit/layer-skip/exit-adapter/quantized: use a prompt-lookup match when there is one "
+                     "(greedy, over quantized: a match that foretold the whole draft adds its next tokens, up to 16 in all)"),
     "draft_bits": "quantized: bits of the model's own weights the draft uses, 8 (default) or 4",
     "head_bits": "quantized: bits of the draft's LM head (default: --draft-bits)",
     "temperature": "0 = greedy; > 0 samples",
