@@ -183,7 +183,7 @@ class BatchEngine:
         batched = [s for s in decoding if s.kind != "solo"]
         prefill = self._prefill_parts()
         if len(batched) == 1 and not prefill and self._alone(batched[0]):
-            self._solo_step(batched[0], alone=True)
+            self._solo_step(batched[0])
             return
         t0 = clock()
         for s in batched:
@@ -317,11 +317,11 @@ class BatchEngine:
         path holds on the sequence, so it stays there."""
         return s.req.sampling.greedy and s.kind != "plain" and not isinstance(s.actor, EarlyExitDrafter)
 
-    def _solo_step(self, s: Sequence, alone: bool = False) -> None:
+    def _solo_step(self, s: Sequence) -> None:
         """A sequence whose drafter runs its own passes: exactly engine.generate's loop body."""
         clock = time.perf_counter
         step = s.new_step()
-        if alone:
+        if s.req.sampling.greedy:
             step.room = min(MAX_SPECULATIONS, s.remaining - 1)  # as generate's step (Draft.tail)
         t0 = clock()
         with torch.inference_mode():
