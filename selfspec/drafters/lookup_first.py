@@ -61,7 +61,7 @@ class LookupFirstDrafter(Drafter):
         tends to hold for many more, and verifying a few more rows costs far less than the
         steps they save; each tail token is checked by the full model like any draft."""
         k = len(own.tokens)
-        if step.room <= k or k < step.k or not k or own.tokens[-1] in self.eos_ids:
+        if not step.sampling.greedy or step.room <= k or k < step.k or not k or own.tokens[-1] in self.eos_ids:
             return own
         copy = lookup_continuation(step.tokens, self.lookup.cfg.max_ngram, step.room)
         if copy[:k] != own.tokens or len(copy) <= k:
