@@ -41,6 +41,18 @@ class GenerationStats:
     longest_stall_s: float = 0.0  # batch engine: the longest wait between two deliveries of new tokens
     draft: dict | None = None  # what drafted: the configuration and its label (auto: the draft it gated, and where it came from)
 
+    def count_step(self, drafted: int, accepted: int) -> None:
+        """One verify step that checked `drafted` drafts and kept the first `accepted`."""
+        self.verify_steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        for _ in range(drafted - len(self.per_position_drafted)):  # a copied tail (Draft.tail) can pass K
+            self.per_position_drafted.append(0)
+            self.per_position_accepted.append(0)
+        for i in range(drafted):
+            self.per_position_drafted[i] += 1
+            self.per_position_accepted[i] += i < accepted
+
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
@@ -163,6 +175,12 @@ class _Output:
         return self.text if self._track_text else self._decode()
 
 
+def step_room(sampling: SamplingConfig, remaining: int) -> int:
+    """Step.room of a step that may verify copies past its self-draft (greedy only: a copy is
+    accepted with probability p(x) when sampling): MAX_SPECULATIONS drafts, within the budget."""
+    return min(MAX_SPECULATIONS, remaining - 1) if sampling.greedy else 0
+
+
 def generate(
     runtime,
     drafter: Drafter,
@@ -196,8 +214,7 @@ def generate(
         out.push([first], [False])
         while out.finish is None:
             remaining = gen.max_new_tokens - len(out.ids)
-            step = Step(tokens, len(tokens) - 1, min(K, remaining - 1), cache, sampling, rng,
-                        room=min(MAX_SPECULATIONS, remaining - 1) if sampling.greedy else 0)
+            step = Step(tokens, len(tokens) - 1, min(K, remaining - 1), cache, sampling, rng, step_room(sampling, remaining))
             t0 = clock()
             draft = drafter.draft(step)
             t1 = clock()
@@ -210,15 +227,7 @@ def generate(
             t2 = clock()
             stats.time_draft_s += t1 - t0
             stats.time_verify_s += t2 - t1
-            stats.verify_steps += 1
-            stats.drafted += len(draft.tokens)
-            stats.accepted += n
-            for _ in range(len(draft.tokens) - len(stats.per_position_drafted)):  # a copied tail (Draft.tail) can pass K
-                stats.per_position_drafted.append(0)
-                stats.per_position_accepted.append(0)
-            for i in range(len(draft.tokens)):
-                stats.per_position_drafted[i] += 1
-                stats.per_position_accepted[i] += i < n
+            stats.count_step(len(draft.tokens), n)
             new = draft.tokens[:n] + [nxt]
             tokens.extend(new)
             out.push(new, [True] * n + [False])

@@ -222,6 +222,6 @@ def test_a_copys_tail_is_verified_past_the_self_draft(monkeypatch):
     batch = m.generate_batch(ps, max_new_tokens=N, **opts)  # lookup-first runs its own steps in a batch: tails too
     assert [r.token_ids for r in batch] == [ar_generate(m, p, max_new_tokens=N).token_ids for p in ps]
     assert all(len(r.stats.per_position_drafted) > K for r in batch)
-    monkeypatch.setattr(LookupFirstDrafter, "_with_tail", lambda self, step, own: own)
+    monkeypatch.setattr(LookupFirstDrafter, "_with_tail", lambda self, step, own, copy: own)
     out = m.generate(p, max_new_tokens=N, **opts)
     assert out.token_ids == ar and len(out.stats.per_position_drafted) == K

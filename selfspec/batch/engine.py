@@ -37,6 +37,7 @@ from selfspec.batch.planner import BatchCosts, CostScale, plan_with_probes, pred
 from selfspec.batch.sequence import BatchHandle, BatchRequest, Sequence
 from selfspec.config import MAX_SPECULATIONS
 from selfspec.drafters import EarlyExitDrafter
+from selfspec.engine import step_room
 from selfspec.sampling import Rows
 from selfspec.verification import greedy_accept, speculative_accept
 
@@ -321,8 +322,7 @@ class BatchEngine:
         """A sequence whose drafter runs its own passes: exactly engine.generate's loop body."""
         clock = time.perf_counter
         step = s.new_step()
-        if s.req.sampling.greedy:
-            step.room = min(MAX_SPECULATIONS, s.remaining - 1)  # as generate's step (Draft.tail)
+        step.room = step_room(s.req.sampling, s.remaining)  # as generate's step (Draft.tail)
         t0 = clock()
         with torch.inference_mode():
             d = s.drafter.draft(step)

@@ -186,16 +186,7 @@ class Sequence:
     def commit(self, n: int, nxt: int) -> None:
         """The verifier kept n drafts and added nxt."""
         d = self.draft.tokens
-        st = self.stats
-        st.verify_steps += 1
-        st.drafted += len(d)
-        st.accepted += n
-        for _ in range(len(d) - len(st.per_position_drafted)):  # a copied tail (Draft.tail) can pass K
-            st.per_position_drafted.append(0)
-            st.per_position_accepted.append(0)
-        for i in range(len(d)):
-            st.per_position_drafted[i] += 1
-            st.per_position_accepted[i] += i < n
+        self.stats.count_step(len(d), n)
         if d:
             self.A = 0.9 * self.A + n
             self.R = 0.9 * self.R + (n < len(d))

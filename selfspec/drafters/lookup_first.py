@@ -44,29 +44,29 @@ class LookupFirstDrafter(Drafter):
         guesses = self.inner.cfg.strategy in GUESS_CHECKING  # a copy then changes only what a draft costs
         if step.k <= 0 or not (step.sampling.greedy or guesses or not self.greedy_only):
             return self.inner.draft(step)
-        d = self.lookup.draft(step)
-        if not d.tokens:
-            return self.inner.draft(step)
         if guesses:  # the inner draft itself, sped up by copies
             n, k = self.lookup.cfg.max_ngram, step.k
-            own = self.inner.draft_guessed(step, lambda drafted: d.tokens if not drafted else
+            copy = lookup_continuation(step.tokens, n, max(k, step.room))  # one scan: the guess and a tail
+            if not copy:
+                return self.inner.draft(step)
+            own = self.inner.draft_guessed(step, lambda drafted: copy[:k] if not drafted else
                                            lookup_continuation(step.tokens + drafted, n, k))
-            return self._with_tail(step, own)
-        return d
+            return self._with_tail(step, own, copy)
+        d = self.lookup.draft(step)
+        return d if d.tokens else self.inner.draft(step)
 
-    def _with_tail(self, step, own: Draft) -> Draft:
+    def _with_tail(self, step, own: Draft, copy: list[int]) -> Draft:
         """Greedy: when the copy foretold the whole self-draft, the copy's next tokens go to
         verification too, up to step.room in all (Draft.tail). Where the model repeats its
         context (greedy continuations of small models loop), a copy that held for k tokens
         tends to hold for many more, and verifying a few more rows costs far less than the
         steps they save; each tail token is checked by the full model like any draft."""
         k = len(own.tokens)
-        if not step.sampling.greedy or step.room <= k or k < step.k or not k or own.tokens[-1] in self.eos_ids:
+        if not step.sampling.greedy or k < step.k or own.tokens[-1] in self.eos_ids or copy[:k] != own.tokens:
             return own
-        copy = lookup_continuation(step.tokens, self.lookup.cfg.max_ngram, step.room)
-        if copy[:k] != own.tokens or len(copy) <= k:
+        tail = copy[k : step.room]
+        if not tail:
             return own
-        tail = copy[k:]
         ends = [i for i, t in enumerate(tail) if t in self.eos_ids]
         tail = tail[: ends[0] + 1] if ends else tail  # nothing is verified past an EOS
         return Draft(own.tokens + tail, own.dists, tail=len(tail))

@@ -97,7 +97,6 @@ class FusedBlocks:
             raise RuntimeError(f"kernels: layer loop returned {rc}")
 
 
-
 def rope_rows(tables, pos: int) -> tuple[ctypes.Array, ctypes.Array]:
     """The layer loop's cos and sin arguments: the address of row `pos` of each [len, D] fp32
     table (cos, sin) in `tables` (rows pos.. are contiguous; no tensor view on the decode path)."""
