@@ -148,6 +148,45 @@ def test_a_greedy_sequence_alone_steps_as_generate_does(monkeypatch):
     assert not calls and got.token_ids == m.generate(ps[0], max_new_tokens=N_NEW, draft=cfg, temperature=0.9, seed=1).token_ids
 
 
+@pytest.mark.skipif(not kernels.available(), reason="quantized drafting needs the kernels")
+def test_a_hot_lookup_first_sequence_drafts_its_copy_in_a_batch(tmp_path, monkeypatch):
+    """auto over a profile's quantized self-draft (lookup-first, greedy only) in a batch: a
+    sequence whose last prompt-lookup copy held for all it committed (hot) drafts its next copy
+    for free, past K up to the step's room, instead of its self-draft (a step then commits more
+    than a self-draft could); output stays plain decoding's and the self-drafter hears of its
+    own drafts only. The model has no attention output (zeroed o_proj): its next token depends
+    on the last one only, so greedy text loops and copies hold."""
+    from selfspec.batch.sequence import Sequence
+    from selfspec.drafters import QuantizedDrafter
+    from selfspec.profiles import Profile, install_profile
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    hf = build_hf("gemma3", seed=3, num_layers=4, hidden_size=128, intermediate_size=256, vocab_size=256, head_dim=32)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+    m = selfspec.load(hf, dtype="float32")
+    K, N = 3, 40
+    install_profile(Profile(DraftConfig("quantized", num_speculations=K), m.fingerprint, "loop"))
+    ps = prompts(n=3, vocab=m.spec.vocab_size, lengths=(8, 12, 10), seed=11)
+    ar = [ar_generate(m, p, max_new_tokens=N).token_ids for p in ps]
+    rows = (1, 2, 4, 8, 16, 32, 64, 128)
+    free = BatchCosts({r: 1.0 for r in rows}, {r: 0.1 for r in rows})  # rows cost nothing: the planner drafts
+    steps, heard = [], []
+    commit, accepted = Sequence.commit, QuantizedDrafter.accepted
+    monkeypatch.setattr(Sequence, "commit", lambda self, n, nxt: (steps.append((self.copying, len(self.draft.tokens), n)),
+                                                                   commit(self, n, nxt))[1])
+    monkeypatch.setattr(QuantizedDrafter, "accepted", lambda self, step, d, n: (heard.append(len(d.tokens)),
+                                                                                 accepted(self, step, d, n))[1])
+    got = _run(m, [_req(p, "auto", n=N) for p in ps], costs=free)
+    assert [r.token_ids for r in got] == ar
+    assert all(r.stats.draft["source"] == "profile" for r in got)
+    copied = [(d, n) for c, d, n in steps if c]
+    assert copied and any(d > K and n > K for d, n in copied)  # hot copies, past K, accepted
+    assert not steps[0][0] and any(not c and d for c, d, _ in steps)  # cold: the self-draft
+    assert heard and max(heard) <= K
+
+
 def test_auto_calibrating_on_its_own_prefill_runs_solo_steps(zoo):
     _, m = zoo.get("llama")
     ps = prompts(n=3, seed=4, lengths=(9, 12, 6))

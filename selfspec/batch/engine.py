@@ -37,6 +37,7 @@ from selfspec.batch.planner import BatchCosts, CostScale, plan_with_probes, pred
 from selfspec.batch.sequence import BatchHandle, BatchRequest, Sequence
 from selfspec.config import MAX_SPECULATIONS
 from selfspec.drafters import EarlyExitDrafter
+from selfspec.drafters.base import Draft
 from selfspec.engine import step_room
 from selfspec.sampling import Rows
 from selfspec.verification import greedy_accept, speculative_accept
@@ -194,7 +195,7 @@ class BatchEngine:
             if s.kind == "free" and s.planned_k and not s.draft.tokens:  # greedy: made while planning
                 s.draft = s.actor.draft(replace(s.step, k=s.planned_k))
         td = clock()
-        draft_depth([s for s in batched if s.kind == "depth"])
+        draft_depth([s for s in batched if s.kind == "depth" and not s.copying])
         t1 = clock()
         parts = [verify_part(s) for s in batched] + [p for _, p in prefill]
         tv = clock()
@@ -258,17 +259,20 @@ class BatchEngine:
             if s.kind == "free":  # the lookup's candidate bounds it
                 s.draft = s.actor.draft(s.step)
                 cap = len(s.draft.tokens)
+            elif copy := s.look_up():  # a hot lookup-first sequence: its copy, free to draft
+                s.draft, s.copying = Draft(copy, copied=True), True
+                cap = len(copy)
             caps.append(cap)
         if self._costs is None:
             self._costs = batch_costs(self.rt)
-        groups = [signature(s) if s.kind == "depth" else None for s in greedy]
+        groups = [signature(s) if s.kind == "depth" and not s.copying else None for s in greedy]
         p_rows, p_logits = sum(len(p.ids) for _, p in prefill), sum(p.logits != "none" for _, p in prefill)
         ks, worth = plan_with_probes(self._costs, greedy, caps, groups, p_rows, p_logits, self.cost_scale.scales)
         self.last_plan = ks
         for i, (s, k, cap, w) in enumerate(zip(greedy, ks, caps, worth)):
             k = ks[i] = self._probe(s, k, cap if w else 0)
             s.planned_k = k
-            if s.kind == "free":
+            if s.kind == "free" or s.copying:
                 s.draft.tokens, s.draft.dists = s.draft.tokens[:k], s.draft.dists[:k]
             if s.auto is not None:
                 s.auto.decisions.append(k)
@@ -305,7 +309,7 @@ class BatchEngine:
         a = s.auto
         if a is not None and not (s.req.sampling.greedy and self.plan_drafts):
             a.accepted(step, d, n)  # auto's own bookkeeping (and its base's)
-        else:
+        elif not s.copying:  # the self-drafter hears of its own drafts only
             s.actor.accepted(step, d, n)
         s.commit(n, nxt)
 
