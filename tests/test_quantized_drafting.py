@@ -9,7 +9,7 @@ import torch
 
 import selfspec
 from selfspec.config import DraftConfig
-from selfspec.drafters import QuantizedDrafter
+from selfspec.drafters import QuantizedDrafter, lookup_first
 from selfspec.errors import SelfSpecError
 from selfspec.kernels import QuantizedWeight
 from selfspec.runtime import Runtime
@@ -223,5 +223,36 @@ def test_a_copys_tail_is_verified_past_the_self_draft(monkeypatch):
     assert [r.token_ids for r in batch] == [ar_generate(m, p, max_new_tokens=N).token_ids for p in ps]
     assert all(len(r.stats.per_position_drafted) > K for r in batch)
     monkeypatch.setattr(LookupFirstDrafter, "_with_tail", lambda self, step, own, copy: own)
+    monkeypatch.setattr(lookup_first, "copy_held", lambda copy, committed: False)  # no hot copies either
     out = m.generate(p, max_new_tokens=N, **opts)
     assert out.token_ids == ar and len(out.stats.per_position_drafted) == K
+
+
+def test_a_hot_copy_is_the_draft(monkeypatch):
+    """Greedy lookup-first over a quantized draft: after a prompt-lookup copy that held for every
+    token the step committed (lookup.copy_held), the next copy is the draft itself (no self-draft
+    pass), up to Step.room; output stays plain decoding's, the wrapped drafter hears nothing of
+    it, sampling never takes one. Same looping model as the tails test."""
+    hf = build_hf("gemma3", seed=3, num_layers=4, hidden_size=128, intermediate_size=256, vocab_size=256, head_dim=32)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+    m = selfspec.load(hf, dtype="float32")
+    K, N = 3, 40
+    opts = dict(strategy="quantized", num_speculations=K, lookup_first=True)
+    drafts, heard = [], []
+    verify, accepted = lookup_first.LookupFirstDrafter.verify, QuantizedDrafter.accepted
+    monkeypatch.setattr(lookup_first.LookupFirstDrafter, "verify",
+                        lambda self, step, d: (drafts.append((d.copied, len(d.tokens))), verify(self, step, d))[1])
+    monkeypatch.setattr(QuantizedDrafter, "accepted", lambda self, step, d, n: (heard.append(d.copied), accepted(self, step, d, n))[1])
+    p = prompts(n=1, vocab=m.spec.vocab_size, lengths=(8,), seed=11)[0]
+    ar = ar_generate(m, p, max_new_tokens=N).token_ids
+    out = m.generate(p, max_new_tokens=N, **opts)
+    assert out.token_ids == ar
+    assert any(c and n > K for c, n in drafts) and not any(heard)  # hot copies past K; not heard inside
+    drafts.clear()
+    assert m.generate(p, max_new_tokens=N, temperature=0.8, seed=1, **opts).stats.new_tokens == N
+    assert not any(c for c, _ in drafts)
+    drafts.clear()
+    monkeypatch.setattr(lookup_first, "copy_held", lambda copy, committed: False)
+    assert m.generate(p, max_new_tokens=N, **opts).token_ids == ar and not any(c for c, _ in drafts)

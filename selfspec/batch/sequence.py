@@ -31,7 +31,7 @@ from selfspec.drafters import (AutoDrafter, Drafter, EarlyExitDrafter, ExitAdapt
                                LookupFirstDrafter, PromptLookupDrafter)
 from selfspec.drafters.base import Draft, Step
 from selfspec.engine import GenerationResult, GenerationStats, StreamEvent, _Output, step_room
-from selfspec.lookup import lookup_continuation
+from selfspec.lookup import copy_held, lookup_continuation, until_eos
 from selfspec.sampling import distribution, make_rng
 
 _ids = itertools.count(1)
@@ -165,17 +165,15 @@ class Sequence:
         """Greedy lookup-first: the context's prompt-lookup copy (up to step_room tokens, none
         past an EOS); -> it when the sequence is hot, for the batch to draft free, else [].
 
-        Why hot only: over the default model's greedy continuations a copy's tokens are
-        accepted 0.83-0.87 each right after a copy that held, 0.13-0.33 otherwise (code + text
-        prompts, copies of 2-16 tokens), while a batched verify row is dear (8 sequences: ~1.5 ms
-        a row against ~2.8 ms a token); a cold sequence keeps its self-draft. Alone, lookup-first
-        checks copies against its self-draft instead (guesses, tails), for free."""
+        Why hot only: a hot copy's tokens are accepted 0.83-0.87 each, a cold one's 0.13-0.33
+        (lookup.copy_held), while a batched verify row is dear (8 sequences: ~1.5 ms a row
+        against ~2.8 ms a token); a cold sequence keeps its self-draft. Alone, lookup-first does
+        the same (a hot copy is its draft) and checks cold copies against its self-draft."""
         lf, self.copy = self.lookup_first, []
         if lf is None or not self.req.sampling.greedy:
             return []
         copy = lookup_continuation(self.tokens, lf.lookup.cfg.max_ngram, step_room(self.req.sampling, self.remaining))
-        ends = [i for i, t in enumerate(copy) if t in lf.eos_ids]
-        self.copy = copy[: ends[0] + 1] if ends else copy
+        self.copy = until_eos(copy, lf.eos_ids)
         return self.copy if self.hot else []
 
     @property
@@ -227,7 +225,7 @@ class Sequence:
             self.A = 0.9 * self.A + n
             self.R = 0.9 * self.R + (n < len(d))
         new = d[:n] + [nxt]
-        self.hot = bool(self.copy) and self.copy[: len(new)] == new[: len(self.copy)]
+        self.hot = copy_held(self.copy, new)
         self.tokens.extend(new)
         self._deliver(new, [True] * n + [False], self.clock())
 
