@@ -11,7 +11,8 @@ A step (sequences join and leave only between steps):
   2. plan every decoding sequence's draft length: greedy, the batch planner (planner.py);
      sampling, the sequence's own rule (auto's gating or its fixed K), so its RNG is consumed
      exactly as alone;
-  3. draft: prompt lookup per sequence (free), self-drafts by depth batched (passes.py);
+  3. draft: prompt lookup per sequence (free), and so the copy of a hot lookup-first sequence
+     (Sequence.look_up); self-drafts by depth batched (passes.py);
   4. ONE staged pass verifies every sequence's rows and advances up to `prefill_chunk` prompt
      rows of newcomers (chunked prefill: running streams wait one chunk, not a prompt);
   5. accept with the solo functions (greedy prefix / speculative sampling), commit, stream,
