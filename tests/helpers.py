@@ -115,6 +115,16 @@ def build_hf(arch: str, seed: int = 0, **config_kw):
     return model
 
 
+def looping_model(seed: int = 3):
+    """A tiny fp32 Gemma 3 with no attention output (zeroed o_proj): its next token depends on
+    the last one only, so greedy text loops and prompt-lookup copies hold."""
+    hf = build_hf("gemma3", seed=seed, num_layers=4, hidden_size=128, intermediate_size=256, vocab_size=256, head_dim=32)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+    return selfspec.load(hf, dtype="float32")
+
+
 def prompts(vocab: int = VOCAB, n: int = 3, seed: int = 7, lengths=(5, 11, 3)) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]

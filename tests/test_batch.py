@@ -15,7 +15,7 @@ from selfspec.batch.engine import PREFILL_PATIENCE, default_prefill_chunk
 from selfspec.batch.planner import DRAFT_ROWS, measure_draft, plan, plan_with_probes
 from selfspec.config import DraftConfig, GenerationConfig, SamplingConfig
 from selfspec.predictor import costs as costs_module
-from helpers import ar_generate, build_hf, prompts
+from helpers import ar_generate, build_hf, looping_model, prompts
 
 N_NEW = 16
 GREEDY = SamplingConfig()
@@ -161,11 +161,7 @@ def test_a_hot_lookup_first_sequence_drafts_its_copy_in_a_batch(tmp_path, monkey
     from selfspec.profiles import Profile, install_profile
 
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
-    hf = build_hf("gemma3", seed=3, num_layers=4, hidden_size=128, intermediate_size=256, vocab_size=256, head_dim=32)
-    with torch.no_grad():
-        for layer in hf.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-    m = selfspec.load(hf, dtype="float32")
+    m = looping_model()
     K, N = 3, 40
     install_profile(Profile(DraftConfig("quantized", num_speculations=K), m.fingerprint, "loop"))
     ps = prompts(n=3, vocab=m.spec.vocab_size, lengths=(8, 12, 10), seed=11)

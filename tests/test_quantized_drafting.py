@@ -14,7 +14,7 @@ from selfspec.errors import SelfSpecError
 from selfspec.kernels import QuantizedWeight
 from selfspec.runtime import Runtime
 
-from helpers import ar_generate, build_hf, prompts
+from helpers import ar_generate, build_hf, looping_model, prompts
 from test_kernels import needs_kernels
 
 pytestmark = needs_kernels
@@ -197,11 +197,7 @@ def test_a_copys_tail_is_verified_past_the_self_draft(monkeypatch):
     (zeroed o_proj), so its next token depends on the last one only and greedy text loops."""
     from selfspec.drafters import LookupFirstDrafter
 
-    hf = build_hf("gemma3", seed=3, num_layers=4, hidden_size=128, intermediate_size=256, vocab_size=256, head_dim=32)
-    with torch.no_grad():
-        for layer in hf.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-    m = selfspec.load(hf, dtype="float32")
+    m = looping_model()
     K, N = 3, 40
     opts = dict(strategy="quantized", num_speculations=K, lookup_first=True)
     heard = []
@@ -233,11 +229,7 @@ def test_a_hot_copy_is_the_draft(monkeypatch):
     token the step committed (lookup.copy_held), the next copy is the draft itself (no self-draft
     pass), up to Step.room; output stays plain decoding's, the wrapped drafter hears nothing of
     it, sampling never takes one. Same looping model as the tails test."""
-    hf = build_hf("gemma3", seed=3, num_layers=4, hidden_size=128, intermediate_size=256, vocab_size=256, head_dim=32)
-    with torch.no_grad():
-        for layer in hf.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-    m = selfspec.load(hf, dtype="float32")
+    m = looping_model()
     K, N = 3, 40
     opts = dict(strategy="quantized", num_speculations=K, lookup_first=True)
     drafts, heard = [], []

@@ -31,7 +31,7 @@ from selfspec.drafters import (AutoDrafter, Drafter, EarlyExitDrafter, ExitAdapt
                                LookupFirstDrafter, PromptLookupDrafter)
 from selfspec.drafters.base import Draft, Step
 from selfspec.engine import GenerationResult, GenerationStats, StreamEvent, _Output, step_room
-from selfspec.lookup import copy_held, lookup_continuation, until_eos
+from selfspec.lookup import until_eos
 from selfspec.sampling import distribution, make_rng
 
 _ids = itertools.count(1)
@@ -127,11 +127,9 @@ class Sequence:
         self.draft: Draft = Draft()
         self.exit_h: list[torch.Tensor] = []  # early exit: exit hidden states of this step's drafted inputs
         self.planned_k = 0
-        # Greedy lookup-first (auto over a profile's self-draft): this step's prompt-lookup copy,
-        # whether the last one held for all it committed (hot: the text is following its
-        # context), and the decayed accepted / rejected counts of hot copies drafted
-        self.copy: list[int] = []
-        self.hot = self.copying = False
+        # Greedy lookup-first (auto over a profile's self-draft): whether this step drafts a hot
+        # copy (look_up), and the decayed accepted / rejected counts of the hot copies drafted
+        self.copying = False
         self.Ac, self.Rc = COPY_PRIOR
 
     # ---- what drafts -----------------------------------------------------------------------
@@ -169,12 +167,11 @@ class Sequence:
         (lookup.copy_held), while a batched verify row is dear (8 sequences: ~1.5 ms a row
         against ~2.8 ms a token); a cold sequence keeps its self-draft. Alone, lookup-first does
         the same (a hot copy is its draft) and checks cold copies against its self-draft."""
-        lf, self.copy = self.lookup_first, []
+        lf = self.lookup_first
         if lf is None or not self.req.sampling.greedy:
             return []
-        copy = lookup_continuation(self.tokens, lf.lookup.cfg.max_ngram, step_room(self.req.sampling, self.remaining))
-        self.copy = until_eos(copy, lf.eos_ids)
-        return self.copy if self.hot else []
+        copy, hot = lf.look_up(self.tokens, len(self.tokens) - 1, step_room(self.req.sampling, self.remaining))
+        return until_eos(copy, lf.eos_ids) if hot else []
 
     @property
     def decoding(self) -> bool:
@@ -199,7 +196,7 @@ class Sequence:
             self.stats.per_position_drafted, self.stats.per_position_accepted = [0] * K, [0] * K
         self.step = Step(self.tokens, len(self.tokens) - 1, min(K, self.remaining - 1), self.cache, self.req.sampling, self.rng)
         self.draft, self.exit_h = Draft(), []
-        self.copy, self.copying = [], False
+        self.copying = False
         return self.step
 
     # ---- results -------------------------------------------------------------------------------
@@ -225,7 +222,6 @@ class Sequence:
             self.A = 0.9 * self.A + n
             self.R = 0.9 * self.R + (n < len(d))
         new = d[:n] + [nxt]
-        self.hot = copy_held(self.copy, new)
         self.tokens.extend(new)
         self._deliver(new, [True] * n + [False], self.clock())
 

@@ -46,15 +46,23 @@ class LookupFirstDrafter(Drafter):
         self.inner.start(cache)
         self._last = None
 
+    def look_up(self, tokens: list[int], pos: int, most: int) -> tuple[list[int], bool]:
+        """(copy, hot): up to `most` tokens prompt lookup copies after tokens (pending token at
+        pos), and whether the copy looked up at the previous call held for every token committed
+        since (lookup.copy_held). The one record of it, for this drafter's steps and for the
+        batch engine's, which drafts the copy itself (batch.sequence.Sequence.look_up)."""
+        copy = lookup_continuation(tokens, self.lookup.cfg.max_ngram, most)
+        hot = self._last is not None and copy_held(self._last[1], tokens[self._last[0] + 1 :])
+        self._last = (pos, copy)
+        return copy, hot
+
     def draft(self, step):
         guesses = self.inner.cfg.strategy in GUESS_CHECKING  # a copy then changes only what a draft costs
         if step.k <= 0 or not (step.sampling.greedy or guesses or not self.greedy_only):
             return self.inner.draft(step)
         if guesses:  # the inner draft itself, sped up by copies
             n, k = self.lookup.cfg.max_ngram, step.k
-            copy = lookup_continuation(step.tokens, n, max(k, step.room))  # one scan: the guess and a tail
-            hot = self._last is not None and copy_held(self._last[1], step.tokens[self._last[0] + 1 :])
-            self._last = (step.pos, copy)
+            copy, hot = self.look_up(step.tokens, step.pos, max(k, step.room))  # one scan: the guess and a tail
             if not copy:
                 return self.inner.draft(step)
             if hot and step.sampling.greedy and step.room:  # the text follows its context: the copy is the draft
