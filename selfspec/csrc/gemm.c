@@ -222,7 +222,7 @@ static inline __attribute__((always_inline)) void tile_pairs(
         for (int c = 0; c < 4; c++) _mm_prefetch((const char *)(wk + PFP * 2 * NT) + 64 * c, _MM_HINT_T0);
         /* with several rows the loop no longer keeps pace with memory by itself: a far hint into
          * L2 (Zen 4, 16 rows streamed from memory: 1.2x faster; one row is left as it was) */
-        if (R >= PFP_L2_ROWS)
+        if (R >= PFP_L2_ROWS || (R == 2 && m0 == 0))  /* two rows alone: as in quant.c's tile_q8 */
             for (int c = 0; c < 4; c++) _mm_prefetch((const char *)(wk + PFP_L2 * 2 * NT) + 64 * c, _MM_HINT_T1);
         __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32);
         __m512bh w2 = (__m512bh)_mm512_loadu_si512(wk + 64), w3 = (__m512bh)_mm512_loadu_si512(wk + 96);

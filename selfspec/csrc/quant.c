@@ -198,7 +198,10 @@ static inline __attribute__((always_inline)) void q_tile_store(
  * order. Prefetch: one row streams in address order and the hardware prefetcher does best
  * alone (measured); from QPF_ROWS rows the loop spends long enough on each k-row that memory
  * falls behind, so it asks for the row QPF k-rows ahead (Zen 5, int8 LM head at 5-8 rows
- * 8-15% faster, in-cache 20-30%, with the 6-row blocks). */
+ * 8-15% faster, in-cache 20-30%, with the 6-row blocks). Two rows alone (m0 == 0: the
+ * tile's first pass, from memory; after a 6-row block the tile is in L2 already) get the
+ * hints too: without them 2 rows took longer than 3 (Zen 4, streamed: the int8 draft copy's
+ * layers 4.74 ms at 2 rows, 3.91 at 3, 3.50 with the hints; the int8 LM head 7.64 -> 6.10). */
 #define QJ_INT8 4
 #ifndef QPF
 #define QPF 16  /* k-rows (256 bytes each) ahead */
@@ -233,7 +236,7 @@ static inline __attribute__((always_inline)) void tile_q8(
                 for (int j = 0; j < J; j++) acc[r][j] = _mm512_setzero_si512();
             for (long k4 = k40; k4 < k41; k4++) {
                 const uint8_t *wk = wt + k4 * (QT * 4) + 64 * j0;
-                if (R >= QPF_ROWS)  /* hints only: never fault, no effect on results */
+                if (R >= QPF_ROWS || (R == 2 && m0 == 0))  /* hints only: never fault, no effect on results */
                     for (int c = 0; c < 4; c++) {
                         _mm_prefetch((const char *)(wk + QPF * QT * 4) + 64 * c, _MM_HINT_T0);
                         _mm_prefetch((const char *)(wk + QPF_L2 * QT * 4) + 64 * c, _MM_HINT_T1);
