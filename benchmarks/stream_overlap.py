@@ -6,10 +6,10 @@ stream, the pass costs max(stream, compute) if the two overlap and their sum if 
 This script times, for the model's own layer matrices (the bf16 verifier's, and optionally
 the int8 draft copy's) at each row count T:
 
-    streamed   every layer's matrices once, as a pass reads them (their bytes exceed the
-               last-level cache, so they come from memory)
-    in cache   the same number of matmuls on the first layer's matrices only (cache-resident:
-               the compute alone)
+    streamed   every layer's matrices once, as a pass reads them (more bytes than the L2s hold:
+               from memory, or from a large shared L3's share)
+    in cache   the same number of matmuls on the first layer's matrices only (a few MB that
+               stay cached: mostly the compute)
     floor      max(streamed at T = 1, in cache at T): what a perfect overlap would take
     overlap    floor / streamed (1.0: perfectly overlapped; ~0.5: serialised)
 
