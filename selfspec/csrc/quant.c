@@ -201,8 +201,8 @@ static inline __attribute__((always_inline)) void q_tile_store(
  * 8-15% faster, in-cache 20-30%, with the 6-row blocks). Two rows alone (m0 == 0: the
  * tile's first pass, from memory; after a 6-row block the tile is in L2 already) get the
  * hints too: without them 2 rows took longer than 3 (a 2-core Intel Xeon with AMX, Granite
- * Rapids class, streamed: the int8 draft copy's
- * layers 4.74 ms at 2 rows, 3.91 at 3, 3.50 with the hints; the int8 LM head 7.64 -> 6.10). */
+ * Rapids class, streamed: the int8 draft copy's layers 4.74 ms at 2 rows, 3.91 at 3, 3.50
+ * with the hints; the int8 LM head 7.64 -> 6.10). */
 #define QJ_INT8 4
 #ifndef QPF
 #define QPF 16  /* k-rows (256 bytes each) ahead */
