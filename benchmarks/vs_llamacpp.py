@@ -138,12 +138,13 @@ def main() -> None:
     ids = [m.encode(p) for p in prompts]
     info = ""
     engines: dict[str, dict] = {}  # engine -> {mode: run(ids, max_new, seed) -> (token ids, seconds)}
-    if llama_cpp is not None and (why := llama_probe(str(g.assemble()), args.threads)) is not None:
+    gguf = str(g.assemble()) if llama_cpp is not None else ""  # assemble() checks the sha256 of every chunk: once
+    if llama_cpp is not None and (why := llama_probe(gguf, args.threads)) is not None:
         print(f"llama.cpp fails on this machine ({why}): llama.cpp rows left out (rebuilding it for a subset of this "
               "CPU's features may help, see the module doc)")
         llama_cpp = None
     if llama_cpp is not None:
-        llama = llama_runner(str(g.assemble()), args.threads, max(len(i) for i in ids) + args.max_new_tokens + 16)
+        llama = llama_runner(gguf, args.threads, max(len(i) for i in ids) + args.max_new_tokens + 16)
         info = f"llama-cpp-python {llama_cpp.__version__}, {llama_cpp.llama_print_system_info().decode().strip()}"
         engines["llama.cpp"] = {mode: (lambda x, n, s, smp=(mode == "sampling"): llama(x, n, s, smp)) for mode in ("greedy", "sampling")}
     console.print(f"machine: {machine()}; {info}")
