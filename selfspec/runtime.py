@@ -116,9 +116,9 @@ class Runtime:
         # CUDA every decode/verify matmul runs at one fixed row count (static shapes).
         self.min_rows = 2 if self.device.type == "cpu" else 2 * MAX_SPECULATIONS
         self._mm = _kernel_mm if self.uses_kernels else functools.partial(_torch_mm, min_rows=self.min_rows)
-        if self.uses_kernels:  # 64-column tiles (and bf16 pairs where the CPU has them): kernels.pack
-            self.layers = [{k: self.prepare_weight(w) if k in _MATRICES else w for k, w in L.items()}
-                           for L in self.layers]
+        if self.uses_kernels:  # 64-column tiles, bf16 pairs where the CPU has them, the layers on AMX tiles where it has those
+            amx = dtype == torch.bfloat16 and kernels.amx()  # not the head: see the kernels' doc
+            self.layers = [{k: kernels.pack(w, amx=amx) if k in _MATRICES else w for k, w in L.items()} for L in self.layers]
         rows = weights["head"]  # [V, H]
         self.head = kernels.pack_rows(rows) if self.uses_kernels else rows.t().contiguous()  # [H, V]
         self._rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}

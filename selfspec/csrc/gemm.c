@@ -586,29 +586,27 @@ static void pairs_region(void *ctx, int tid, int nt) {
 
 
 #if defined(__AVX512BF16__) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
-/* AMX path (opt-in: selfspec_amx(1), SELFSPEC_AMX=1 in Python). Same pair layout and the same
- * bf16 x pairs, but each output is the chain of TDPBF16PS instructions:
+/* AMX path (layout 4: pair-layout weights packed for it; the runtime packs its bf16 layer
+ * matrices so where the CPU has AMX-BF16, kernels.amx()). Same bytes and the same bf16 x pairs
+ * as the VDPBF16PS path, but each output is the chain of TDPBF16PS instructions:
  *   acc = +0; for c = 0, 16, 32, ..: acc = TDPBF16PS(acc, x pairs c..c+15, w pairs c..c+15)
  * with K2 zero-padded to a multiple of 16 (zero pairs add exact zeros). How one instruction
  * sums its 32 products is the hardware's (it matches no sequential fp32 chain: measured), so
- * this is a chain of its own, not VDPBF16PS's bits; what makes it exact for speculation is
- * that it is used for every row count: a C tile's row depends on its A row only, chunks run
- * in increasing k whatever M, threads split N only (tests/test_amx.py checks these bits). The
- * gain: a tile instruction does 16 rows x 16 columns x 32 k, so verification and prefill stop
- * being compute-bound (gemma-3-270m layers, Intel Xeon: 7 rows 1.3x, 16 rows 2x, 128 rows
- * 3.4x faster); one row streams a little slower than VDPBF16PS (0.9-0.95x), hence opt-in. */
+ * this is a chain of its own; it belongs to the weight, so every matmul with that weight, any
+ * row count, runs it: a C tile's row depends on its A row only, chunks run in increasing k
+ * whatever M, threads split N only (tests/test_amx.py checks these bits). The gain: one
+ * instruction does 16 rows x 16 columns x 32 k, so verification and prefill stop being
+ * compute-bound (gemma-3-270m layers, Intel Xeon: 7 rows 1.36x, 16 rows 2.1x, 64 rows 3.1x
+ * faster, 1 row 0.95-0.98x). The LM head stays on VDPBF16PS: one row streams its 0.3 GB
+ * slower through tile loads (0.83x), and sampling decodes with one row. */
 #include <unistd.h>
 #include <sys/syscall.h>
 #ifndef AMX_PF
 #define AMX_PF 32  /* pair rows (two chunks) ahead into L1: one row 0.79 -> 0.89x of VDPBF16PS's time */
 #endif
-static int amx_on = 0;
-/* on: ask Linux for the tile state (once per process) and route the pair path here; returns
- * the new state, -1 when the kernel refuses (the path stays off). */
-int selfspec_amx(int on) {
-    if (on && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */)) return -1;
-    amx_on = on ? 1 : 0;
-    return amx_on;
+/* 1 when this process may use the tile state (asked of Linux once; harmless to repeat) */
+int selfspec_amx_init(void) {
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
 }
 typedef struct { uint8_t palette, start; uint8_t res[14]; uint16_t colsb[16]; uint8_t rows[16]; } __attribute__((packed)) amx_cfg;
 /* tiles 0-3: the four 16-column accumulators (mrows x 16 fp32), 4: x (mrows x 16 pairs),
@@ -696,16 +694,19 @@ static int gemm_amx(long M, long K2, long N, const uint32_t *xp, const uint16_t 
 }
 #define HAVE_AMX 1
 #else
-int selfspec_amx(int on) { return on ? -1 : 0; }
+int selfspec_amx_init(void) { return 0; }
 #endif
 
 static int gemm_pairs(long M, long K, long N, const void *x, int x_bf16, const uint16_t *w, int w_bf16,
-                      void *y, int y_bf16, int nthreads) {
+                      void *y, int y_bf16, int nthreads, int amx) {
 #ifndef __AVX512BF16__
-    (void)M; (void)K; (void)N; (void)x; (void)x_bf16; (void)w; (void)w_bf16; (void)y; (void)y_bf16; (void)nthreads;
+    (void)M; (void)K; (void)N; (void)x; (void)x_bf16; (void)w; (void)w_bf16; (void)y; (void)y_bf16; (void)nthreads; (void)amx;
     return 4;
 #else
     if (!w_bf16) return 5;
+#ifndef HAVE_AMX
+    if (amx) return 4;
+#endif
     long K2 = (K + 1) / 2;
     uint32_t stackbuf[8192];
     uint32_t *xp = (M * K2 <= (long)(sizeof(stackbuf) / 4)) ? stackbuf : (uint32_t *)malloc(sizeof(uint32_t) * M * K2);
@@ -724,7 +725,7 @@ static int gemm_pairs(long M, long K, long N, const void *x, int x_bf16, const u
             xp[m * K2 + k2] = (uint32_t)lo | ((uint32_t)hi << 16);
         }
 #ifdef HAVE_AMX
-    if (amx_on) {
+    if (amx) {
         int rc = gemm_amx(M, K2, N, xp, w, y, y_bf16, nthreads);
         if (xp != stackbuf) free(xp);
         return rc;
@@ -774,12 +775,13 @@ static void gemm_region(void *ctx, int tid, int nt) {
  * w: plain (packed=0): [K, N] contiguous; packed (packed=1): [ceil(N/64), K, 64];
  * pairs (packed=2, bf16 only): [ceil(N/64), ceil(K/2), 64, 2] (see tile_pairs).
  * quantized (packed=3): w points to an ss_qweight descriptor (quant.c; K and N must match).
+ * pairs on AMX tiles (packed=4): the pair layout, TDPBF16PS's chain (gemm_amx; 4 = unavailable).
  * w_bf16: weight dtype. nthreads <= 0: OpenMP default. Returns 0 on success. */
 int selfspec_gemm(long M, long K, long N, const void *x, int x_bf16, const void *w, int w_bf16,
                   int packed, void *y, int y_bf16, int nthreads) {
     if (M <= 0 || N <= 0) return 0;
     if (K <= 0) return 2; /* caller handles K == 0 (all-zero output) */
-    if (packed == 2) return gemm_pairs(M, K, N, x, x_bf16, (const uint16_t *)w, w_bf16, y, y_bf16, nthreads);
+    if (packed == 2 || packed == 4) return gemm_pairs(M, K, N, x, x_bf16, (const uint16_t *)w, w_bf16, y, y_bf16, nthreads, packed == 4);
     if (packed == 3) return selfspec_qgemm(M, x, x_bf16, w, y, y_bf16, nthreads);  /* w: an ss_qweight (quant.c) */
     float stackbuf[16384];
     float *xf = (M * K <= (long)(sizeof(stackbuf) / 4)) ? stackbuf : (float *)malloc(sizeof(float) * M * K);

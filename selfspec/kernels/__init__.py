@@ -20,13 +20,12 @@ Numerics (the contract callers rely on):
     with denormals treated as zero (VDPBF16PS's definition). Same guarantees (row-, thread-
     invariant, one chain per element), its own bits; ~1.2-1.4x faster at 2-9 rows, where the
     FMA path is compute-bound (speculative verification).
-  * AMX (opt-in, SELFSPEC_AMX=1, CPUs with AMX-BF16): the pair layout's products run as
-    TDPBF16PS tile instructions, 16 pairs of k per instruction, chunks in increasing k. The
-    hardware's sum inside an instruction matches no sequential chain, so these are bits of
-    their own, but the same for every M and thread count (row-invariant: verification ==
-    decode); 1.3x faster at 7 rows, 2x at 16, 3x+ at 64 (prefill). The int8 screen of the
-    greedy head still rescores its candidates with VDPBF16PS's chain (a deterministic
-    function of each row, so greedy decoding stays lossless).
+  * AMX (pack(w, amx=True); the runtime's bf16 layer matrices on CPUs with AMX-BF16 unless
+    SELFSPEC_AMX=0): the pair layout's products run as TDPBF16PS tile instructions, 16 pairs
+    of k per instruction, chunks in increasing k. The hardware's sum inside an instruction
+    matches no sequential chain, so these are bits of their own, but the same for every M
+    and thread count (row-invariant: verification == decode); 1.36x faster at 7 rows, 2x at
+    16, 3x at 64 (prefill). The chain belongs to the weight: the LM head keeps VDPBF16PS's.
 
 API:
   available() -> bool          the compiled kernel can be used (CPU, compiler, env)
@@ -34,7 +33,7 @@ API:
   matmul(x, w) -> Tensor       x [M, K] (bf16/fp32, CPU), w [K, N] tensor (bf16/fp32, CPU,
                                contiguous) or a PackedWeight; raises ValueError otherwise
   has_pairs() -> bool          the pair (VDPBF16PS) path is compiled in and usable
-  amx() -> bool                the pair path runs on AMX tiles (SELFSPEC_AMX=1, see above)
+  amx() -> bool                AMX tiles are usable and wanted here (see above)
   pack(w) -> PackedWeight      w [K, N] re-laid out as [ceil(N/64), K, 64] (zero padded), or
                                [ceil(N/64), ceil(K/2), 64, 2] with pairs (see above):
                                each 64-column tile becomes one contiguous stream, ~20-30%

@@ -71,7 +71,7 @@ class FusedBlocks:
                 if t.dtype != dtype or not t.is_contiguous():
                     raise ValueError(f"FusedBlocks: {name} must be a contiguous {dtype} matrix")
                 setattr(s, name, t.data_ptr())
-                setattr(s, flag, (2 if w.pairs else 1) if isinstance(w, PackedWeight) else 0)
+                setattr(s, flag, w.layout if isinstance(w, PackedWeight) else 0)
                 self._keep.append(t)
             for name in _VECTORS:
                 if L.get(name) is not None:

@@ -161,9 +161,8 @@ def _load():
             dll.selfspec_pairs_many_min.restype = ctypes.c_long
             if _blocks["pairs"]:
                 _tune_pairs(fn, dll)  # pairs_many_min() reads the choice back from the library
-            dll.selfspec_amx.argtypes = [ctypes.c_int]
-            dll.selfspec_amx.restype = ctypes.c_int
-            _blocks["amx"] = _blocks["pairs"] and _env_amx() and dll.selfspec_amx(1) == 1
+            dll.selfspec_amx_init.restype = ctypes.c_int
+            _blocks["amx"] = _blocks["pairs"] and _env_amx() and dll.selfspec_amx_init() == 1
         except Exception as e:  # noqa: BLE001 - any failure means "use torch"
             _load_error = f"{type(e).__name__}: {e}"
             _lib = False
@@ -216,25 +215,15 @@ def pairs_many_min() -> int | None:
 
 
 def _env_amx() -> bool:
-    return os.environ.get("SELFSPEC_AMX", "") not in ("", "0")
+    """SELFSPEC_AMX=0 keeps the layer matrices on VDPBF16PS; unset or 1: AMX where the CPU has it."""
+    return os.environ.get("SELFSPEC_AMX", "1") not in ("0", "")
 
 
 def amx() -> bool:
-    """available() and the pair path runs on AMX tiles (opt-in: SELFSPEC_AMX=1 before the first
-    kernel call, on a CPU with AMX-BF16 and a compiler that knows it; csrc/gemm.c, gemm_amx).
-    Its chain is not VDPBF16PS's, so the choice holds for the whole process."""
+    """available(), the CPU has AMX-BF16, the kernel granted the tile state and SELFSPEC_AMX is not
+    0: the runtime then packs its bf16 layer matrices for the AMX chain (pack(w, amx=True);
+    csrc/gemm.c, gemm_amx). Read once per process, at the kernels' first use."""
     return available() and bool(_blocks.get("amx"))
-
-
-def set_amx(on: bool) -> bool:
-    """Switch the AMX pair path (tests: no model may hold activations computed under the other
-    chain, or its outputs would mix the two). Returns whether it is on now."""
-    _load()
-    dll = _blocks.get("dll")
-    if dll is None or not _blocks.get("pairs"):
-        return False
-    _blocks["amx"] = dll.selfspec_amx(int(on)) == 1
-    return _blocks["amx"]
 
 
 def available() -> bool:
@@ -245,8 +234,8 @@ def available() -> bool:
 
 
 def build_id() -> str | None:
-    """The loaded kernel build's id (changes with the C sources; "+amx" with the AMX chain), None
-    when not available()."""
+    """The loaded kernel build's id (changes with the C sources; "+amx" when the layers use the AMX
+    chain: its costs are not the other's), None when not available()."""
     if not available():
         return None
     return f"{_build_id}+amx" if _blocks.get("amx") else _build_id

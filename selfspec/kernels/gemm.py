@@ -52,11 +52,12 @@ def _check(x, w) -> str | None:
 
 def operand(w) -> tuple[int, int, bool]:
     """(address, layout, bf16) of a checked weight as csrc/gemm.c's selfspec_gemm takes it:
-    layout 0 a plain [K, N] tensor, 1 packed tiles, 2 bf16 pairs, 3 a QuantizedWeight's descriptor."""
+    layout 0 a plain [K, N] tensor, 1 packed tiles, 2 bf16 pairs, 3 a QuantizedWeight's descriptor,
+    4 bf16 pairs on AMX tiles."""
     if isinstance(w, QuantizedWeight):
         return ctypes.addressof(w.desc), 3, False
     if isinstance(w, PackedWeight):
-        return w.data.data_ptr(), 2 if w.pairs else 1, w.data.dtype == torch.bfloat16
+        return w.data.data_ptr(), w.layout, w.data.dtype == torch.bfloat16
     return w.data_ptr(), 0, w.dtype == torch.bfloat16
 
 

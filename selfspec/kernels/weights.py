@@ -15,15 +15,24 @@ from selfspec.kernels.pool import threads
 class PackedWeight:
     """w [K, N] stored as data [ceil(N/64), K, 64] (tile t holds columns 64t..64t+63, zero padded),
     or, with pairs=True (bf16 only), as data [ceil(N/64), ceil(K/2), 64, 2]: rows 2j and 2j+1 of
-    each column side by side, for the VDPBF16PS path (x is then rounded to bf16 first)."""
+    each column side by side, for the VDPBF16PS path (x is then rounded to bf16 first). amx (pairs
+    only): the same data, multiplied on AMX tiles, a chain of its own (csrc/gemm.c, gemm_amx)."""
 
-    __slots__ = ("data", "in_features", "out_features", "pairs")
+    __slots__ = ("data", "in_features", "out_features", "pairs", "amx")
 
-    def __init__(self, data: torch.Tensor, in_features: int, out_features: int, pairs: bool = False):
+    def __init__(self, data: torch.Tensor, in_features: int, out_features: int, pairs: bool = False, amx: bool = False):
+        if amx and not pairs:
+            raise ValueError("PackedWeight: the AMX chain needs the pair layout")
         self.data = data
         self.in_features = in_features
         self.out_features = out_features
         self.pairs = pairs
+        self.amx = amx
+
+    @property
+    def layout(self) -> int:
+        """selfspec_gemm's layout code: 1 tiles, 2 pairs (VDPBF16PS), 4 pairs on AMX tiles."""
+        return 4 if self.amx else 2 if self.pairs else 1
 
     @property
     def shape(self) -> torch.Size:
@@ -51,7 +60,7 @@ class PackedWeight:
         return d.reshape(len(ids), -1)[:, : self.in_features].t()
 
     def __repr__(self) -> str:
-        return f"PackedWeight(shape={tuple(self.shape)}, dtype={self.dtype}, pairs={self.pairs})"
+        return f"PackedWeight(shape={tuple(self.shape)}, dtype={self.dtype}, pairs={self.pairs}, amx={self.amx})"
 
 
 class _QDesc(ctypes.Structure):  # ss_qweight in csrc/quant.c
@@ -132,10 +141,13 @@ def quant_errors(w: torch.Tensor, group: int, s: torch.Tensor, z: torch.Tensor |
     return err
 
 
-def pack(w: torch.Tensor, pairs: bool | None = None) -> PackedWeight:
+def pack(w: torch.Tensor, pairs: bool | None = None, amx: bool = False) -> PackedWeight:
     """Re-lay w [K, N] (bf16 or fp32, CPU) as 64-column tiles for matmul. Plain tiles give results
     bit-identical to matmul with the plain w. pairs (default: has_pairs() for bf16 weights) uses
-    the pair layout and so the VDPBF16PS chain (see csrc/gemm.c), which has its own bits."""
+    the pair layout and so the VDPBF16PS chain (see csrc/gemm.c), which has its own bits; amx
+    (needs amx()) the same layout on AMX tiles, whose chain is another one again."""
+    if amx and not build.amx():
+        raise ValueError("pack: no AMX pair path here (kernels.amx() is False)")
     if not isinstance(w, torch.Tensor) or w.dim() != 2:
         raise ValueError("pack expects a 2-D tensor [K, N]")
     if w.dtype not in build._DTYPES:
@@ -156,7 +168,7 @@ def pack(w: torch.Tensor, pairs: bool | None = None) -> PackedWeight:
             data = padded.view(kp // 2, 2, nb, build._TILE).permute(2, 0, 3, 1).contiguous()
         else:
             data = padded.view(k, nb, build._TILE).permute(1, 0, 2).contiguous()
-    return PackedWeight(data, k, n, pairs)
+    return PackedWeight(data, k, n, pairs, amx and pairs)
 
 
 def pack_rows(w_t: torch.Tensor, pairs: bool | None = None) -> PackedWeight:
