@@ -650,7 +650,7 @@ static void amx_region(void *ctx, int tid, int nt) {
                     memset(btail, 0, sizeof btail);
                     memcpy(btail, wk, (size_t)(K2 - k0) * 2 * NT * 2);
                     wk = btail;
-                } else if (m0 == 0) {  /* past the tile: the next tile's start (a hint never faults) */
+                } else if (m0 == 0) {  /* AMX_PF pair rows ahead; at a tile's end the next tile's start (hints never fault) */
                     for (int c = 0; c < 64; c++) _mm_prefetch((const char *)(wk + AMX_PF * 2 * NT) + 64 * c, _MM_HINT_T0);
                 }
                 _tile_loadd(4, xr + k0, K2p * 4);
@@ -663,14 +663,10 @@ static void amx_region(void *ctx, int tid, int nt) {
                 _tile_loadd(6, wk + 96, 2 * NT * 2);
                 _tile_dpbf16ps(3, 4, 6);
             }
-            for (int q = 0; q < 4; q++) {
-                switch (q) {  /* the tile number must be a constant */
-                case 0: _tile_stored(0, cbuf, NT * 4); break;
-                case 1: _tile_stored(1, cbuf + 16, NT * 4); break;
-                case 2: _tile_stored(2, cbuf + 32, NT * 4); break;
-                default: _tile_stored(3, cbuf + 48, NT * 4); break;
-                }
-            }
+            _tile_stored(0, cbuf, NT * 4);  /* tile numbers must be constants */
+            _tile_stored(1, cbuf + 16, NT * 4);
+            _tile_stored(2, cbuf + 32, NT * 4);
+            _tile_stored(3, cbuf + 48, NT * 4);
             long mb = M - m0 < 16 ? M - m0 : 16;
             for (long r = 0; r < mb; r++)
                 for (int q = 0; q < 4; q++)
