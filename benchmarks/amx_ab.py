@@ -101,7 +101,7 @@ def generate(args) -> tuple[list[dict], bool]:
     rows = []
     for key in runs[False][0]["tok_s"]:
         off, on = (statistics.mean(r["tok_s"][key] for r in runs[v]) for v in (False, True))
-        ar = key.replace(key.split("/")[0], "autoregressive")
+        ar = "autoregressive/" + key.split("/")[1]
         ar_off, ar_on = (statistics.mean(r["tok_s"][ar] for r in runs[v]) for v in (False, True))
         rows.append({"method": key, "vdpbf16_tok_s": off, "amx_tok_s": on, "vdpbf16_vs_ar": off / ar_off,
                      "amx_vs_ar": on / ar_on, "amx_vs_vdpbf16": on / off})
@@ -133,7 +133,11 @@ def main(argv=None) -> int:
         print("error: no AMX pair path here (it needs the kernels, AVX512-BF16, AMX-BF16 and the kernel's "
               "permission for tile state; SELFSPEC_AMX=0 turns it off)", file=sys.stderr)
         return 2
-    m = selfspec.load(args.model, dtype="bfloat16")
+    try:
+        m = selfspec.load(args.model, dtype="bfloat16")
+    except (OSError, ValueError) as e:  # SelfSpecError is a ValueError: an unknown alias, a bad path
+        print(f"error: cannot load {args.model!r}: {e}", file=sys.stderr)
+        return 2
     report: dict = {"model": args.model, "machine": machine()}
     console = Console()
     report["layers"] = layers(m.runtime, rows_list, args.rounds)
@@ -145,7 +149,11 @@ def main(argv=None) -> int:
         t.add_row(str(r["rows"]), f"{r['vdpbf16_ms']:.2f}", f"{r['amx_ms']:.2f}", f"{r['speedup']:.2f}x")
     console.print(t)
     if args.num_samples:
-        report["generate"], report["greedy_identical"] = generate(args)
+        try:
+            report["generate"], report["greedy_identical"] = generate(args)
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
         n = 2 * args.num_samples
         t = Table(title=f"{n} prompts x {args.max_new_tokens} tokens, tok/s (mean of {args.rounds_generate} processes each)")
         for col in ("method", "SELFSPEC_AMX=0", "vs AR", "AMX", "vs AR", "AMX / off"):
