@@ -601,6 +601,7 @@ static void pairs_region(void *ctx, int tid, int nt) {
  * slower through tile loads (0.83x), and sampling decodes with one row. */
 #include <unistd.h>
 #include <sys/syscall.h>
+#include "simd.h"  /* ss_tilecfg */
 #ifndef AMX_PF
 #define AMX_PF 32  /* pair rows (two chunks) ahead into L1: one row 0.79 -> 0.89x of VDPBF16PS's time */
 #endif
@@ -608,16 +609,15 @@ static void pairs_region(void *ctx, int tid, int nt) {
 int selfspec_amx_init(void) {
     return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
 }
-typedef struct { uint8_t palette, start; uint8_t res[14]; uint16_t colsb[16]; uint8_t rows[16]; } __attribute__((packed)) amx_cfg;
 /* tiles 0-3: the four 16-column accumulators (mrows x 16 fp32), 4: x (mrows x 16 pairs),
  * 5-6: weights (16 pair rows x 16 columns, alternating so a load can follow the other's use) */
 static void amx_config(int mrows) {
-    amx_cfg c;
+    ss_tilecfg c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int t = 0; t < 5; t++) { c.rows[t] = (uint8_t)mrows; c.colsb[t] = 64; }
     for (int t = 5; t < 7; t++) { c.rows[t] = 16; c.colsb[t] = 64; }
-    _tile_loadconfig(&c);
+    ss_tile_loadconfig(&c);
 }
 typedef struct {
     long M, N, K2, K2p, mrows;

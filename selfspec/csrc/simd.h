@@ -20,6 +20,16 @@
 
 #define SS_ALWAYS static inline __attribute__((always_inline))
 
+#ifdef __AMX_TILE__
+/* AMX palette 1 tile configuration (64 bytes), loaded with LDTILECFG. Not _tile_loadconfig:
+ * GCC 12's tells the compiler it reads 8 bytes, which lets it drop the stores that fill the
+ * rest (seen here: a zero configuration, and LDTILECFG's fault). */
+typedef struct { uint8_t palette, start; uint8_t res[14]; uint16_t colsb[16]; uint8_t rows[16]; } __attribute__((packed)) ss_tilecfg;
+SS_ALWAYS void ss_tile_loadconfig(const ss_tilecfg *c) {
+    __asm__ volatile("ldtilecfg %0" :: "m"(*c));
+}
+#endif
+
 /* the first n of 16 lanes (n >= 16: all) */
 SS_ALWAYS uint16_t lanes16(long n) {
     return n >= 16 ? (uint16_t)0xFFFF : n <= 0 ? 0 : (uint16_t)((1u << n) - 1);
