@@ -170,6 +170,24 @@ def test_pairs_chain_is_row_invariant_and_matches_reference(k, n, xdt, many_min,
     assert ((full.double() - exact).abs() / scale).max().item() <= (2**-8 if xdt == torch.bfloat16 else 0) + k * 2**-24
 
 
+@needs_pairs
+@pytest.mark.parametrize("k", [37, 64])
+def test_pairs_round_fp32_activations_as_the_reference_does(k):
+    """fp32 activations become bf16 16 lanes at a time (csrc/gemm.c x_pairs): ties to even,
+    values that round up to infinity, -0, denormals, infinities and NaN give the scalar
+    reference's bits, odd K (a half-filled last pair) included."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, k, generator=g)
+    x[0, :8] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2 + 2**-7, -0.0, 1e-40, -1e-40, 2**-126])  # finite
+    x[1, :4] = torch.tensor([3.3895e38, -3.3895e38, float("inf"), float("-inf")])  # round to / are infinite
+    x[2, k - 1] = float("nan")
+    w = torch.randn(k, 70, generator=g).bfloat16()
+    p = kernels.pack(w)
+    y, ref = kernels.matmul(x, p), kernels._reference_pairs(x, w)
+    assert torch.equal(y[[0, 3]], ref[[0, 3]])
+    torch.testing.assert_close(y, ref, rtol=0, atol=0, equal_nan=True)
+
+
 @needs_kernels
 def test_errors():
     x, w = _operands(64, 32, torch.float32, torch.bfloat16, m=2)
