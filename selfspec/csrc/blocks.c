@@ -145,21 +145,77 @@ SS_ALWAYS void prefetch_el(const void *a, long i, int f32) {
 }
 
 /* x[t] = norm(float(h[t])) for every row */
-static void norm_rows(const void *h, int f32, float *x, long T, long H, const float *w, float eps) {
-    for (long t = 0; t < T; t++) {
+static void norm_rows(const void *h, int f32, float *x, long t0, long t1, long H, const float *w, float eps) {
+    for (long t = t0; t < t1; t++) {
         for (long i = 0; i < H; i++) x[t * H + i] = get_f(h, t * H + i, f32);
         rmsnorm(x + t * H, w, x + t * H, H, eps);
     }
 }
 
 /* h[t] = store(float(h[t]) + post_norm(o[t] + bias)); bias and post_norm may be NULL */
-static void add_residual(void *h, int f32, float *o, long T, long H, const float *bias, const float *post_norm, float eps) {
-    for (long t = 0; t < T; t++) {
+static void add_residual(void *h, int f32, float *o, long t0, long t1, long H, const float *bias, const float *post_norm, float eps) {
+    for (long t = t0; t < t1; t++) {
         float *r = o + t * H;
         if (bias) for (long i = 0; i < H; i++) r[i] += bias[i];
         if (post_norm) rmsnorm(r, post_norm, r, H, eps);
         for (long i = 0; i < H; i++) put_f(h, t * H + i, get_f(h, t * H + i, f32) + r[i], f32);
     }
+}
+
+/* Several sequences in one call (continuous batching): the rows of h are the concatenation
+ * of segments, one per sequence, each with its own KV cache and positions. A segment is
+ * 8 longs: {row0, rows, pos, cap, kt, vc, kt_layer_stride, vc_layer_stride} (kt/vc: the
+ * cache's layer-0 base addresses; strides in bytes; rows row0..row0+rows-1 hold positions
+ * pos..pos+rows-1). The matmuls run over all T rows at once (every weight streams once per
+ * call, whatever the number of sequences); rope, the cache writes and attention are per row
+ * against the row's own segment, with exactly the solo call's chains: a row's bits never
+ * depend on the other segments, their number, order or sizes (batch invariance). */
+typedef struct { long row0, rows, pos, cap; char *kt, *vc; long kt_stride, vc_stride; } ss_seg;
+
+/* The blocks' element-wise row work (norms, rotary and the cache writes, the activation, the
+ * residual) split over the team: rows are independent (each row's chains are its own), so only
+ * the speed changes. Below PAR_ROWS rows one thread does it (a decode or verify step's few rows
+ * cost less than waking the team); at prefill sizes this work ran on one core while the other
+ * waited (128 rows: ~8% of the pass). */
+#ifndef PAR_ROWS
+#define PAR_ROWS 16
+#endif
+typedef struct {
+    const ss_dims *d;
+    const ss_layer *w;
+    void *h;
+    float *x, *o, *qkv, *a;  /* as each block names them */
+    const ss_seg *segs;
+    const long *seg_of;
+    long T, layer;
+    const float *cos, *sin;
+    int what;  /* ROWS_* */
+} rows_job;
+enum { ROWS_NORM_ATTN, ROWS_NORM_MLP, ROWS_QKV, ROWS_ACT, ROWS_RESID_ATTN, ROWS_RESID_MLP };
+static void qkv_rows(const rows_job *j, long t0, long t1);
+static void act_rows(const rows_job *j, long t0, long t1);
+
+static void rows_region(void *ctx, int tid, int nt) {
+    const rows_job *j = (const rows_job *)ctx;
+    const ss_dims *d = j->d;
+    const ss_layer *w = j->w;
+    const long H = d->hidden;
+    long t0, t1;
+    ss_share(j->T, tid, nt, &t0, &t1);
+    if (t0 >= t1) return;
+    switch (j->what) {
+    case ROWS_NORM_ATTN: norm_rows(j->h, d->f32, j->x, t0, t1, H, w->attn_norm, d->eps); break;
+    case ROWS_NORM_MLP: norm_rows(j->h, d->f32, j->x, t0, t1, H, w->mlp_norm, d->eps); break;
+    case ROWS_QKV: qkv_rows(j, t0, t1); break;
+    case ROWS_ACT: act_rows(j, t0, t1); break;
+    case ROWS_RESID_ATTN: add_residual(j->h, d->f32, j->o, t0, t1, H, w->bo, d->sandwich ? w->post_attn_norm : NULL, d->eps); break;
+    case ROWS_RESID_MLP: add_residual(j->h, d->f32, j->o, t0, t1, H, w->b_down, d->sandwich ? w->post_mlp_norm : NULL, d->eps); break;
+    }
+}
+
+static void par_rows(rows_job *j, int what, int nthreads) {
+    j->what = what;
+    ss_parallel(j->T >= PAR_ROWS ? ss_threads(nthreads) : 1, rows_region, j);
 }
 
 /* Attention for query rows t = t0..t1-1 (all heads), in three phases that each split over
@@ -335,16 +391,6 @@ static int attend_rows(const float *qkv, long W, float *att, long Q, long t0, lo
     return 0;
 }
 
-/* Several sequences in one call (continuous batching): the rows of h are the concatenation
- * of segments, one per sequence, each with its own KV cache and positions. A segment is
- * 8 longs: {row0, rows, pos, cap, kt, vc, kt_layer_stride, vc_layer_stride} (kt/vc: the
- * cache's layer-0 base addresses; strides in bytes; rows row0..row0+rows-1 hold positions
- * pos..pos+rows-1). The matmuls run over all T rows at once (every weight streams once per
- * call, whatever the number of sequences); rope, the cache writes and attention are per row
- * against the row's own segment, with exactly the solo call's chains: a row's bits never
- * depend on the other segments, their number, order or sizes (batch invariance). */
-typedef struct { long row0, rows, pos, cap; char *kt, *vc; long kt_stride, vc_stride; } ss_seg;
-
 static int attend_segment(const ss_dims *d, const float *qkv, float *att, const ss_seg *s, long layer,
                           long window, int nthreads) {
     const long nh = d->heads, nkv = d->kv_heads, D = d->head_dim, Q = nh * D, W = Q + 2 * nkv * D;
@@ -400,28 +446,19 @@ static int row_segments(const ss_seg *segs, long nseg, long T, long *seg_of) {
 
 /* h [T, hidden] (updated in place), rows given by segs (above); cos/sin: fp32 [T, head_dim],
  * the rotary rows of every row's own position. window <= 0: full causal. */
-static int attn_block_batch(const ss_dims *d, const ss_layer *w, void *h, long T, const ss_seg *segs, long nseg,
-                            long layer, long window, const float *cos, const float *sin, int nthreads) {
-    const long H = d->hidden, nh = d->heads, nkv = d->kv_heads, D = d->head_dim;
-    const int f32 = d->f32, wbf = !f32;
-    const long Q = nh * D, KV = nkv * D, W = Q + 2 * KV;
-    float *x = malloc(sizeof(float) * T * H);
-    float *qkv = malloc(sizeof(float) * T * W);
-    float *att = malloc(sizeof(float) * T * Q);
-    float *o = malloc(sizeof(float) * T * H);
-    long *seg_of = malloc(sizeof(long) * (T + 1));
-    int rc = 0;
-    if (!x || !qkv || !att || !o || !seg_of) { rc = 1; goto done; }
-    if ((rc = row_segments(segs, nseg, T, seg_of))) goto done;
-    norm_rows(h, f32, x, T, H, w->attn_norm, d->eps);
-    if ((rc = selfspec_gemm(T, H, W, x, 0, w->wqkv, wbf, w->wqkv_packed, qkv, 0, nthreads))) goto done;
-    for (long t = 0; t < T; t++) {
-        const ss_seg *s = &segs[seg_of[t]];
-        void *kt = s->kt + layer * s->kt_stride, *vc = s->vc + layer * s->vc_stride;
+/* rows t0..t1-1 of the fused qkv: bias, per-head q/k norms and rotary, k and v into the cache */
+static void qkv_rows(const rows_job *j, long t0, long t1) {
+    const ss_dims *d = j->d;
+    const ss_layer *w = j->w;
+    const long nh = d->heads, nkv = d->kv_heads, D = d->head_dim, Q = nh * D, KV = nkv * D, W = Q + 2 * KV;
+    const int f32 = d->f32;
+    for (long t = t0; t < t1; t++) {
+        const ss_seg *s = &j->segs[j->seg_of[t]];
+        void *kt = s->kt + j->layer * s->kt_stride, *vc = s->vc + j->layer * s->vc_stride;
         const long cap = s->cap, p = s->pos + (t - s->row0);
-        float *r = qkv + t * W;
+        float *r = j->qkv + t * W;
         if (w->bqkv) for (long i = 0; i < W; i++) r[i] += w->bqkv[i];
-        const float *cs = cos + t * D, *sn = sin + t * D;
+        const float *cs = j->cos + t * D, *sn = j->sin + t * D;
         for (long a = 0; a < nh; a++) {
             if (d->qk_norm) rmsnorm(r + a * D, w->q_norm, r + a * D, D, d->eps);
             rope(r + a * D, cs, sn, D);
@@ -436,6 +473,36 @@ static int attn_block_batch(const ss_dims *d, const ss_layer *w, void *h, long T
             }
         }
     }
+}
+
+/* rows t0..t1-1 of the MLP's gate|up: bias, then a = act(gate) * up */
+static void act_rows(const rows_job *j, long t0, long t1) {
+    const ss_dims *d = j->d;
+    const long I = d->inter;
+    for (long t = t0; t < t1; t++) {
+        float *r = j->qkv + t * 2 * I;
+        if (j->w->b_gate_up) for (long i = 0; i < 2 * I; i++) r[i] += j->w->b_gate_up[i];
+        gated_activation(d->act, r, r + I, j->a + t * I, I);
+    }
+}
+
+static int attn_block_batch(const ss_dims *d, const ss_layer *w, void *h, long T, const ss_seg *segs, long nseg,
+                            long layer, long window, const float *cos, const float *sin, int nthreads) {
+    const long H = d->hidden, nh = d->heads, nkv = d->kv_heads, D = d->head_dim;
+    const int f32 = d->f32, wbf = !f32;
+    const long Q = nh * D, KV = nkv * D, W = Q + 2 * KV;
+    float *x = malloc(sizeof(float) * T * H);
+    float *qkv = malloc(sizeof(float) * T * W);
+    float *att = malloc(sizeof(float) * T * Q);
+    float *o = malloc(sizeof(float) * T * H);
+    long *seg_of = malloc(sizeof(long) * (T + 1));
+    int rc = 0;
+    if (!x || !qkv || !att || !o || !seg_of) { rc = 1; goto done; }
+    if ((rc = row_segments(segs, nseg, T, seg_of))) goto done;
+    rows_job rj = {d, w, h, x, o, qkv, NULL, segs, seg_of, T, layer, cos, sin, 0};
+    par_rows(&rj, ROWS_NORM_ATTN, nthreads);
+    if ((rc = selfspec_gemm(T, H, W, x, 0, w->wqkv, wbf, w->wqkv_packed, qkv, 0, nthreads))) goto done;
+    par_rows(&rj, ROWS_QKV, nthreads);
     /* Attention: a big segment (a prefill chunk, a long verify) fans out inside itself; the
      * small ones (decode rows) go one segment per thread. Either way each row's chains are
      * the solo call's: scheduling changes speed only. */
@@ -452,7 +519,7 @@ static int attn_block_batch(const ss_dims *d, const ss_layer *w, void *h, long T
         if ((rc = job.bad)) goto done;
     }
     if ((rc = selfspec_gemm(T, Q, H, att, 0, w->wo, wbf, w->wo_packed, o, 0, nthreads))) goto done;
-    add_residual(h, f32, o, T, H, w->bo, d->sandwich ? w->post_attn_norm : NULL, d->eps);
+    par_rows(&rj, ROWS_RESID_ATTN, nthreads);
 done:
     free(x); free(qkv); free(att); free(o); free(seg_of);
     return rc;
@@ -467,15 +534,12 @@ static int mlp_block(const ss_dims *d, const ss_layer *w, void *h, long T, int n
     float *o = malloc(sizeof(float) * T * H);
     int rc = 0;
     if (!x || !gu || !a || !o) { rc = 1; goto done; }
-    norm_rows(h, f32, x, T, H, w->mlp_norm, d->eps);
+    rows_job rj = {d, w, h, x, o, gu, a, NULL, NULL, T, 0, NULL, NULL, 0};
+    par_rows(&rj, ROWS_NORM_MLP, nthreads);
     if ((rc = selfspec_gemm(T, H, 2 * I, x, 0, w->w_gate_up, wbf, w->gu_packed, gu, 0, nthreads))) goto done;
-    for (long t = 0; t < T; t++) {
-        float *r = gu + t * 2 * I;
-        if (w->b_gate_up) for (long i = 0; i < 2 * I; i++) r[i] += w->b_gate_up[i];
-        gated_activation(d->act, r, r + I, a + t * I, I);
-    }
+    par_rows(&rj, ROWS_ACT, nthreads);
     if ((rc = selfspec_gemm(T, I, H, a, 0, w->w_down, wbf, w->down_packed, o, 0, nthreads))) goto done;
-    add_residual(h, f32, o, T, H, w->b_down, d->sandwich ? w->post_mlp_norm : NULL, d->eps);
+    par_rows(&rj, ROWS_RESID_MLP, nthreads);
 done:
     free(x); free(gu); free(a); free(o);
     return rc;
@@ -505,7 +569,7 @@ int selfspec_norm_rows(const void *h, int f32, long T, long H, const float *w, f
     float *x = malloc(sizeof(float) * H);
     if (!x) return 1;
     for (long t = 0; t < T; t++) {
-        norm_rows((const char *)h + t * H * (f32 ? 4 : 2), f32, x, 1, H, w, eps);
+        norm_rows((const char *)h + t * H * (f32 ? 4 : 2), f32, x, 0, 1, H, w, eps);
         for (long i = 0; i < H; i++) put_f(out, t * H + i, x[i], f32);
     }
     free(x);
