@@ -6,11 +6,12 @@ atomic (temporary file, then rename) so a crash never leaves half a profile.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from selfspec.config import DraftConfig
@@ -132,14 +133,37 @@ def user_profile_dir() -> Path:
     return cache_root() / "profiles"
 
 
+_read: dict[Path, tuple[tuple[int, int, int], Profile | None]] = {}  # path -> ((inode, mtime_ns, size), its profile or None)
+
+
+def _read_profile(path: Path) -> Profile | None:
+    """load_profile(path), or None for a file that is not a usable profile; parsed again only
+    when the file changes (a server builds auto's drafter per request: reading and validating
+    every profile was ~0.35 ms of each admission). install_profile writes a new file and
+    renames it over the old one: a new inode, so a change is never missed."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    key = (st.st_ino, st.st_mtime_ns, st.st_size)
+    hit = _read.get(path)
+    if hit is None or hit[0] != key:
+        try:
+            prof = load_profile(path)
+        except SelfSpecError:
+            prof = None
+        hit = _read[path] = (key, prof)
+    prof = hit[1]
+    return None if prof is None else replace(prof, metrics=copy.deepcopy(prof.metrics))  # callers may change theirs
+
+
 def installed_profile(fingerprint: str) -> Profile | None:
     """The profile `auto` uses for a model: the user's (selfspec search --install) first,
     then one shipped in the package; None when neither matches the fingerprint."""
     for d in (user_profile_dir(), PACKAGED):
         for path in sorted(d.glob("*.json")) if d.is_dir() else ():
-            try:
-                prof = load_profile(path)
-            except SelfSpecError:
+            prof = _read_profile(path)
+            if prof is None:
                 continue
             if prof.model_fingerprint != fingerprint:
                 continue

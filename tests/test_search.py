@@ -836,3 +836,20 @@ def test_history_plot_names_its_objective_and_shows_the_measured_winner(tmp_path
     S.plot_history(study, tmp_path / "m.png", "t", "measured")
     assert labels["ylabel"][-1].startswith("measured speedup")
     assert (tmp_path / "h.png").stat().st_size > 1000 and (tmp_path / "m.png").stat().st_size > 1000
+
+
+def test_installed_profile_is_read_again_when_its_file_changes(tmp_path, monkeypatch):
+    """Profiles are parsed once per file version (a server builds auto's drafter per request);
+    installing another profile for the model (a new file renamed over the old) is seen at once,
+    and a caller changing the profile it got does not change the next caller's."""
+    from selfspec.profiles import install_profile, installed_profile
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    fp = "f" * 16
+    install_profile(Profile(DraftConfig("early-exit", exit_layer=3, num_speculations=4), fp, "m", {"acceptance_rate": 0.5}))
+    first = installed_profile(fp)
+    assert first.draft.exit_layer == 3
+    first.metrics["acceptance_rate"] = 0.0
+    assert installed_profile(fp).metrics["acceptance_rate"] == 0.5
+    install_profile(Profile(DraftConfig("early-exit", exit_layer=5, num_speculations=4), fp, "m"))
+    assert installed_profile(fp).draft.exit_layer == 5
