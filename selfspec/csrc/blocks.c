@@ -184,14 +184,17 @@ typedef struct {
     const ss_dims *d;
     const ss_layer *w;
     void *h;
-    float *x, *o, *qkv, *a;  /* as each block names them */
+    int mlp;       /* the MLP block's rows (its norm, bias, post-norm), else the attention block's */
+    float *x, *o;  /* the block's normed input and its output before the residual */
+    float *mid;    /* the first matmul's output: qkv, or the MLP's gate|up */
+    float *a;      /* MLP: act(gate) * up */
     const ss_seg *segs;
     const long *seg_of;
     long T, layer;
     const float *cos, *sin;
     int what;  /* ROWS_* */
 } rows_job;
-enum { ROWS_NORM_ATTN, ROWS_NORM_MLP, ROWS_QKV, ROWS_ACT, ROWS_RESID_ATTN, ROWS_RESID_MLP };
+enum { ROWS_NORM, ROWS_QKV, ROWS_ACT, ROWS_RESID };
 static void qkv_rows(const rows_job *j, long t0, long t1);
 static void act_rows(const rows_job *j, long t0, long t1);
 
@@ -203,13 +206,12 @@ static void rows_region(void *ctx, int tid, int nt) {
     long t0, t1;
     ss_share(j->T, tid, nt, &t0, &t1);
     if (t0 >= t1) return;
+    const float *post_norm = !d->sandwich ? NULL : j->mlp ? w->post_mlp_norm : w->post_attn_norm;
     switch (j->what) {
-    case ROWS_NORM_ATTN: norm_rows(j->h, d->f32, j->x, t0, t1, H, w->attn_norm, d->eps); break;
-    case ROWS_NORM_MLP: norm_rows(j->h, d->f32, j->x, t0, t1, H, w->mlp_norm, d->eps); break;
+    case ROWS_NORM: norm_rows(j->h, d->f32, j->x, t0, t1, H, j->mlp ? w->mlp_norm : w->attn_norm, d->eps); break;
     case ROWS_QKV: qkv_rows(j, t0, t1); break;
     case ROWS_ACT: act_rows(j, t0, t1); break;
-    case ROWS_RESID_ATTN: add_residual(j->h, d->f32, j->o, t0, t1, H, w->bo, d->sandwich ? w->post_attn_norm : NULL, d->eps); break;
-    case ROWS_RESID_MLP: add_residual(j->h, d->f32, j->o, t0, t1, H, w->b_down, d->sandwich ? w->post_mlp_norm : NULL, d->eps); break;
+    case ROWS_RESID: add_residual(j->h, d->f32, j->o, t0, t1, H, j->mlp ? w->b_down : w->bo, post_norm, d->eps); break;
     }
 }
 
@@ -456,7 +458,7 @@ static void qkv_rows(const rows_job *j, long t0, long t1) {
         const ss_seg *s = &j->segs[j->seg_of[t]];
         void *kt = s->kt + j->layer * s->kt_stride, *vc = s->vc + j->layer * s->vc_stride;
         const long cap = s->cap, p = s->pos + (t - s->row0);
-        float *r = j->qkv + t * W;
+        float *r = j->mid + t * W;
         if (w->bqkv) for (long i = 0; i < W; i++) r[i] += w->bqkv[i];
         const float *cs = j->cos + t * D, *sn = j->sin + t * D;
         for (long a = 0; a < nh; a++) {
@@ -480,7 +482,7 @@ static void act_rows(const rows_job *j, long t0, long t1) {
     const ss_dims *d = j->d;
     const long I = d->inter;
     for (long t = t0; t < t1; t++) {
-        float *r = j->qkv + t * 2 * I;
+        float *r = j->mid + t * 2 * I;
         if (j->w->b_gate_up) for (long i = 0; i < 2 * I; i++) r[i] += j->w->b_gate_up[i];
         gated_activation(d->act, r, r + I, j->a + t * I, I);
     }
@@ -499,8 +501,8 @@ static int attn_block_batch(const ss_dims *d, const ss_layer *w, void *h, long T
     int rc = 0;
     if (!x || !qkv || !att || !o || !seg_of) { rc = 1; goto done; }
     if ((rc = row_segments(segs, nseg, T, seg_of))) goto done;
-    rows_job rj = {d, w, h, x, o, qkv, NULL, segs, seg_of, T, layer, cos, sin, 0};
-    par_rows(&rj, ROWS_NORM_ATTN, nthreads);
+    rows_job rj = {d, w, h, 0, x, o, qkv, NULL, segs, seg_of, T, layer, cos, sin, 0};
+    par_rows(&rj, ROWS_NORM, nthreads);
     if ((rc = selfspec_gemm(T, H, W, x, 0, w->wqkv, wbf, w->wqkv_packed, qkv, 0, nthreads))) goto done;
     par_rows(&rj, ROWS_QKV, nthreads);
     /* Attention: a big segment (a prefill chunk, a long verify) fans out inside itself; the
@@ -519,7 +521,7 @@ static int attn_block_batch(const ss_dims *d, const ss_layer *w, void *h, long T
         if ((rc = job.bad)) goto done;
     }
     if ((rc = selfspec_gemm(T, Q, H, att, 0, w->wo, wbf, w->wo_packed, o, 0, nthreads))) goto done;
-    par_rows(&rj, ROWS_RESID_ATTN, nthreads);
+    par_rows(&rj, ROWS_RESID, nthreads);
 done:
     free(x); free(qkv); free(att); free(o); free(seg_of);
     return rc;
@@ -534,12 +536,12 @@ static int mlp_block(const ss_dims *d, const ss_layer *w, void *h, long T, int n
     float *o = malloc(sizeof(float) * T * H);
     int rc = 0;
     if (!x || !gu || !a || !o) { rc = 1; goto done; }
-    rows_job rj = {d, w, h, x, o, gu, a, NULL, NULL, T, 0, NULL, NULL, 0};
-    par_rows(&rj, ROWS_NORM_MLP, nthreads);
+    rows_job rj = {d, w, h, 1, x, o, gu, a, NULL, NULL, T, 0, NULL, NULL, 0};
+    par_rows(&rj, ROWS_NORM, nthreads);
     if ((rc = selfspec_gemm(T, H, 2 * I, x, 0, w->w_gate_up, wbf, w->gu_packed, gu, 0, nthreads))) goto done;
     par_rows(&rj, ROWS_ACT, nthreads);
     if ((rc = selfspec_gemm(T, I, H, a, 0, w->w_down, wbf, w->down_packed, o, 0, nthreads))) goto done;
-    par_rows(&rj, ROWS_RESID_MLP, nthreads);
+    par_rows(&rj, ROWS_RESID, nthreads);
 done:
     free(x); free(gu); free(a); free(o);
     return rc;

@@ -27,6 +27,7 @@
 #include <stdlib.h>
 #include <math.h>
 #include "pool.h"
+#include "simd.h"  /* lanes16, ss_tilecfg */
 
 #define NT 64  /* columns per tile: 4 zmm of 16 fp32 */
 #ifndef PF
@@ -601,7 +602,6 @@ static void pairs_region(void *ctx, int tid, int nt) {
  * slower through tile loads (0.83x), and sampling decodes with one row. */
 #include <unistd.h>
 #include <sys/syscall.h>
-#include "simd.h"  /* ss_tilecfg */
 #ifndef AMX_PF
 #define AMX_PF 32  /* pair rows (two chunks) ahead into L1: one row 0.79 -> 0.89x of VDPBF16PS's time */
 #endif
@@ -691,14 +691,13 @@ int selfspec_amx_init(void) { return 0; }
 #endif
 
 #ifdef __AVX512BF16__
-/* x [M, K] (bf16, or fp32 rounded by f32_to_bf16) -> x pairs, row m at xp + m * ld: pair k2 holds
- * the bf16 of k = 2 k2 (low half) and 2 k2 + 1 (high half; 0 past K). In memory that is just the
- * row's bf16 values in order, so the conversion is 16 lanes at a time (the same integer steps as
- * f32_to_bf16, lane by lane: the same bits) and a bf16 row is a copy. It ran one element at a
- * time with a branch before: 5-7% of a 128-row prefill, with the second core waiting. */
+/* x [M, K] (bf16, or fp32 rounded as f32_to_bf16 rounds) -> x pairs, row m at xp + m * ld: pair
+ * k2 holds the bf16 of k = 2 k2 (low half) and 2 k2 + 1 (high half; 0 past K). In memory that is
+ * just the row's bf16 values in order, so an fp32 row is 16 lanes at a time through store_out's
+ * rounding (the same bits) and a bf16 row is a copy. It ran one element at a time with a branch
+ * before: 5-7% of a 128-row prefill, with the second core waiting. */
 static void x_pairs(long M, long K, const void *x, int x_bf16, uint32_t *xp, long ld) {
     const long K2 = (K + 1) / 2;
-    const __m512i round = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), qnan = _mm512_set1_epi32(0x7FC0);
     for (long m = 0; m < M; m++) {
         uint16_t *out = (uint16_t *)(xp + m * ld);
         out[2 * K2 - 1] = 0;  /* odd K: the last pair's high half */
@@ -708,12 +707,8 @@ static void x_pairs(long M, long K, const void *x, int x_bf16, uint32_t *xp, lon
         }
         const float *xf = (const float *)x + m * K;
         for (long k = 0; k < K; k += 16) {
-            __mmask16 mk = (__mmask16)(K - k >= 16 ? 0xFFFF : (1u << (K - k)) - 1);
-            __m512 v = _mm512_maskz_loadu_ps(mk, xf + k);
-            __m512i u = _mm512_castps_si512(v);
-            __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, round), _mm512_and_si512(_mm512_srli_epi32(u, 16), one)), 16);
-            r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), qnan);
-            _mm256_mask_storeu_epi16(out + k, mk, _mm512_cvtepi32_epi16(r));
+            const __mmask16 mk = lanes16(K - k);
+            store_out(out, 1, k, _mm512_maskz_loadu_ps(mk, xf + k), mk);
         }
     }
 }
