@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -129,31 +128,12 @@ def make_rng(seed: int | None, device="cpu") -> torch.Generator:
 
 
 class SubVocab:
-    """A restricted draft vocabulary: entry j of a draft row is token ids[j]. Read-only."""
+    """A restricted draft vocabulary: entry j of a draft row is token ids[j]."""
 
     def __init__(self, ids: torch.Tensor, vocab_size: int):
         self.ids = ids.long().contiguous()
         self.index = torch.full((vocab_size,), -1, dtype=torch.long, device=ids.device)  # token -> entry, -1 outside
         self.index[self.ids] = torch.arange(len(self.ids), device=ids.device)
-
-
-_sub_vocabs: dict[int, tuple[weakref.ref, dict[int, SubVocab]]] = {}  # id(ids) -> (ids, {vocab_size: SubVocab})
-
-
-def sub_vocab(ids: torch.Tensor, vocab_size: int) -> SubVocab:
-    """SubVocab(ids, vocab_size), made once per ids tensor: every drafter of a model shares its
-    draft vocabulary's tensor (ModelResources.draft_head), and building the token -> entry map
-    (a vocabulary-sized tensor) was ~0.4 ms of each request's admission. (Keyed by identity:
-    tensors compare element-wise, so they cannot be weak dictionary keys.)"""
-    entry = _sub_vocabs.get(id(ids))
-    if entry is None or entry[0]() is not ids:
-        for k in [k for k, (r, _) in _sub_vocabs.items() if r() is None]:
-            del _sub_vocabs[k]
-        entry = _sub_vocabs[id(ids)] = (weakref.ref(ids), {})
-    per = entry[1]
-    if vocab_size not in per:
-        per[vocab_size] = SubVocab(ids, vocab_size)
-    return per[vocab_size]
 
 
 class Dist:

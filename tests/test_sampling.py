@@ -693,14 +693,3 @@ def test_greedy_ignores_seed():
     b = m.generate([3, 4, 5], max_new_tokens=16, seed=2, strategy="early-exit", exit_layer=2).token_ids
     assert a == b
 
-
-def test_sub_vocab_is_made_once_per_ids_tensor():
-    """Drafters sharing a draft vocabulary tensor share its SubVocab (built per request before);
-    another tensor, even an equal one, or another vocabulary size gets its own."""
-    from selfspec.sampling import sub_vocab
-
-    ids = torch.tensor([1, 5, 9])
-    a = sub_vocab(ids, 12)
-    assert sub_vocab(ids, 12) is a and sub_vocab(ids, 16) is not a
-    assert sub_vocab(ids.clone(), 12) is not a
-    assert a.index.tolist() == [-1, 0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1] and torch.equal(a.ids, ids)

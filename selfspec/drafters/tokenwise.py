@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from selfspec.drafters.base import Draft, Drafter, Step
-from selfspec.sampling import SubVocab, distribution, sub_vocab
+from selfspec.sampling import SubVocab, distribution
 
 
 class AdaptiveThreshold:
@@ -52,7 +52,7 @@ class TokenDrafter(Drafter):
             head = self.rt.prepare_weight(self.rt.head_columns(vocab).contiguous())
         self.vocab, self.draft_head = vocab, head
         self._vocab_ids = None if vocab is None else vocab.tolist()
-        self.sub = None if vocab is None else sub_vocab(vocab, self.rt.spec.vocab_size)
+        self.sub = None if vocab is None else SubVocab(vocab, self.rt.spec.vocab_size)
 
     def _new_threshold(self) -> AdaptiveThreshold | None:
         return AdaptiveThreshold(self.cfg.draft_threshold) if self.cfg.draft_threshold is not None else None
