@@ -34,7 +34,8 @@ from server_load import PROMPTS  # noqa: E402
 
 
 class TimedEngine(BatchEngine):
-    """A BatchEngine that records each step: (start, seconds, decoding, prompt rows left, plan)."""
+    """A BatchEngine that records each step: (start, seconds, decoding, prompt rows left, plan);
+    plan None: a pass over newcomers' prompts alone (BatchEngine._first_prompts)."""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
@@ -46,6 +47,13 @@ class TimedEngine(BatchEngine):
         decoding = sum(s.decoding for s in self._active)
         super()._step()
         self.log.append((t, time.perf_counter() - t, decoding, left, list(self.last_plan)))
+
+    def _prefill(self, prefill) -> None:
+        t = time.perf_counter()
+        left = sum(max(0, len(s.req.prompt_ids) - s.prefilled) for s in self._active)
+        decoding = sum(s.decoding for s in self._active)
+        super()._prefill(prefill)
+        self.log.append((t, time.perf_counter() - t, decoding, left, None))
 
 
 def run(model, draft, clients: int, rounds: int, max_new: int, chunk: int | None) -> tuple[TimedEngine, list[dict], float]:
@@ -113,7 +121,8 @@ def main(argv=None) -> int:
           f"prefill chunk {engine.prefill_chunk}")
     print("first steps (ms from the first submission):")
     for t, dt, dec, left, plan in engine.log[: args.steps]:
-        print(f"  at {ms(t - t_start):7.1f}: {ms(dt):5.1f} ms, decoding {dec}, prompt rows left {left:3d}, drafts {plan}")
+        what = f"drafts {plan}" if plan is not None else "newcomers' prompts alone"
+        print(f"  at {ms(t - t_start):7.1f}: {ms(dt):5.1f} ms, decoding {dec}, prompt rows left {left:3d}, {what}")
     print("requests (by arrival):")
     for r in sorted(reqs, key=lambda r: r["t0"]):
         print(f"  round {r['round']} prompt {r['prompt']:3d} tokens, arrives {ms(r['t0'] - t_start):7.1f}, first token after {ms(r['ttft']):6.1f}")

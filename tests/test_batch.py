@@ -248,6 +248,58 @@ def test_prefill_takes_short_prompts_first_and_never_starves_a_long_one(zoo):
     assert all(h.result.token_ids == ar_generate(m, s1, max_new_tokens=2).token_ids for h in hs[3:])
 
 
+def test_a_newcomers_short_prompt_gets_a_pass_of_its_own(zoo):
+    """While others decode, a newcomer's whole prompt of at most half a chunk goes first, alone
+    (its first token does not wait for the running sequences' verification); never two such
+    passes in a row; a longer prompt is chunked into the batched steps as before."""
+    _, m = zoo.get("llama")
+    running, newcomer, long = prompts(n=3, seed=4, lengths=(5, 8, 40))
+    eng = BatchEngine(m, prefill_chunk=16)
+    a = eng.submit(_req(running, n=20))
+    eng.step()  # a's prefill: its first token
+    b = eng.submit(_req(newcomer, n=6))
+    c = eng.submit(_req(newcomer, n=6))
+    eng.step()  # b's 8 rows alone (c's would pass half the chunk): b's first token, a waits
+    assert [len(s.out.ids) for s in eng._active] == [1, 1, 0]
+    eng.step()  # not a second prompt pass in a row: a batched step, with c's prompt in it
+    assert [len(s.out.ids) for s in eng._active] == [2, 2, 1]
+    d = eng.submit(_req(long, n=3))
+    eng.step()  # 40 rows: chunked into the batched step (a, b and c decode)
+    assert [len(s.out.ids) for s in eng._active] == [3, 3, 2, 0] and eng._active[3].prefilled == 16
+    eng.run()
+    assert a.result.token_ids == ar_generate(m, running, max_new_tokens=20).token_ids
+    assert b.result.token_ids == c.result.token_ids == ar_generate(m, newcomer, max_new_tokens=6).token_ids
+    assert d.result.token_ids == ar_generate(m, long, max_new_tokens=3).token_ids
+    assert eng.longest_stall_s > 0
+
+
+def test_a_newcomer_arriving_while_drafts_are_made_goes_before_the_verification(monkeypatch):
+    """A request submitted while a step drafts gets its prompt's pass before that step's
+    verification, and so its first token in that step; every output stays the solo one."""
+    from selfspec.batch import engine as engine_module
+
+    m = _ideal()
+    running, newcomer = prompts(n=2, seed=6, lengths=(6, 7))
+    cfg = DraftConfig("early-exit", exit_layer=2, num_speculations=3)
+    eng = BatchEngine(m, prefill_chunk=16, plan_drafts=False)
+    late = []
+    drafting = engine_module.draft_depth
+
+    def draft_depth(seqs):
+        drafting(seqs)
+        if seqs and seqs[0].draft.tokens and not late:
+            late.append(eng.submit(_req(newcomer, cfg, n=5)))
+
+    monkeypatch.setattr(engine_module, "draft_depth", draft_depth)
+    a = eng.submit(_req(running, cfg, n=12))
+    eng.step()  # a's prefill
+    eng.step()  # a drafts; the newcomer arrives meanwhile and is prefilled before a's verification
+    assert late and len(eng._active) == 2 and len(eng._active[1].out.ids) == 1 and len(eng._active[0].out.ids) > 1
+    eng.run()
+    assert a.result.token_ids == ar_generate(m, running, max_new_tokens=12).token_ids
+    assert late[0].result.token_ids == ar_generate(m, newcomer, max_new_tokens=5).token_ids
+
+
 def test_default_prefill_chunk_scales_with_cores():
     assert default_prefill_chunk(1) == 32 and default_prefill_chunk(2) == 64 and default_prefill_chunk(64) == 512
 
