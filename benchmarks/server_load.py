@@ -159,6 +159,12 @@ async def openai_stream(client, model_name: str, prompt: str, max_tokens: int, e
     return {"text": "".join(parts), "ttft": total if ttft is None else ttft, "gap": gap, "total": total, "tokens": tokens}
 
 
+def mismatch(prompt: int, got: str, want: str) -> dict:
+    """A streamed text that differs from solo decoding's, kept whole for the report (--json)."""
+    at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    return {"prompt": prompt, "at": at, "got": got, "want": want}
+
+
 async def sweep(args, url: str, model_name: str, refs: dict[str, str]) -> list[dict]:
     """Every strategy x client count (module doc, sweep mode). The strategies take turns at
     each client count, --repeats times (the order flipping each time), so that a drift of the
@@ -188,7 +194,11 @@ async def sweep(args, url: str, model_name: str, refs: dict[str, str]) -> list[d
                 run = {"strategy": strategy, "clients": n, "requests": len(results), "wall_s": wall,
                        "tok_s": sum(r["tokens"] for r in results) / wall, "ttft_p50_s": pct([r["ttft"] for r in results], 0.5),
                        "longest_stall_s": max(r["gap"] for r in results),
-                       "identical": sum(r["text"] == refs[p] for r, p in zip(results, prompts))}
+                       "identical": sum(r["text"] == refs[p] for r, p in zip(results, prompts)),
+                       "mismatches": [mismatch(PROMPTS.index(p), r["text"], refs[p]) for r, p in zip(results, prompts) if r["text"] != refs[p]]}
+                for m in run["mismatches"]:
+                    print(f"  MISMATCH {strategy} {n} clients, prompt {m['prompt']}: from character {m['at']}, "
+                          f"got {m['got'][m['at']:m['at'] + 40]!r}, solo {m['want'][m['at']:m['at'] + 40]!r}", file=sys.stderr, flush=True)
                 runs.setdefault((strategy, n), []).append(run)
                 print(f"  {strategy:>14} {n:>3} clients: {run['tok_s']:7.1f} tok/s, TTFT p50 {run['ttft_p50_s'] * 1000:6.0f} ms, "
                       f"longest stall {run['longest_stall_s'] * 1000:6.0f} ms, identical {run['identical']}/{len(results)}",
@@ -198,6 +208,7 @@ async def sweep(args, url: str, model_name: str, refs: dict[str, str]) -> list[d
     for _, cell in sorted(runs.items(), key=lambda kv: strategies.index(kv[0][0])):  # by strategy, then clients
         row = dict(sorted(cell, key=lambda r: r["tok_s"])[(len(cell) - 1) // 2])  # the median run (lower of two)
         row.update(requests=sum(r["requests"] for r in cell), identical=sum(r["identical"] for r in cell),
+                   mismatches=[m for r in cell for m in r["mismatches"]],
                    runs_tok_s=[r["tok_s"] for r in cell], longest_stall_s=max(r["longest_stall_s"] for r in cell))
         rows.append(row)
     return rows

@@ -56,3 +56,18 @@ def test_server_load_rejects_bad_hf_clients(counts):
     r = subprocess.run([sys.executable, str(bench), "--sweep", "--hf-clients", counts], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "--hf-clients must be request counts" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_server_load_keeps_a_mismatching_text_whole():
+    """benchmarks/server_load.py: a streamed text that differs from solo decoding is reported with
+    where it departs and both texts, so a rare difference can be traced afterwards."""
+    spec = importlib.util.spec_from_file_location("selfspec_server_load", BENCH.parent / "server_load.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    assert mod.mismatch(3, "def f(x): return x", "def f(y): return y") == {
+        "prompt": 3, "at": 6, "got": "def f(x): return x", "want": "def f(y): return y"}
+    assert mod.mismatch(0, "abc", "abcdef")["at"] == 3  # cut short: it departs where it ends

@@ -136,7 +136,7 @@ class BatchEngine:
             decoding_before = any(s.decoding for s in self._active)
             first = self._first_prompts() if decoding_before else []
             if first:  # newcomers' prompts first; decoding sequences wait for this pass too
-                self._stall_from = self._stall_from or t0
+                self._stall_from = t0
                 self._prefill(first)
             else:
                 self._step()
