@@ -271,6 +271,20 @@ def test_a_newcomers_short_prompt_gets_a_pass_of_its_own(zoo):
     assert b.result.token_ids == c.result.token_ids == ar_generate(m, newcomer, max_new_tokens=6).token_ids
     assert d.result.token_ids == ar_generate(m, long, max_new_tokens=3).token_ids
     assert eng.longest_stall_s > 0
+    # a pass of its own, then everyone leaves: the next batch starts afresh (no stale stall start)
+    a = eng.submit(_req(running, n=20))
+    eng.step()
+    b = eng.submit(_req(newcomer, n=6))
+    eng.step()
+    assert eng._stall_from is not None
+    a.cancel(), b.cancel()
+    assert eng.idle()
+    eng.submit(_req(running, n=4))
+    eng.step()  # its prefill: nobody was decoding
+    assert eng._stall_from is None
+    eng.submit(_req(newcomer, n=4))
+    eng.step()  # so this newcomer may have its own pass at once
+    assert [len(s.out.ids) for s in eng._active] == [1, 1]
 
 
 def test_a_newcomer_arriving_while_drafts_are_made_goes_before_the_verification(monkeypatch):

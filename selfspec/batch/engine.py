@@ -140,10 +140,10 @@ class BatchEngine:
                 self._prefill(first)
             else:
                 self._step()
+                if decoding_before:
+                    self.longest_stall_s = max(self.longest_stall_s, time.perf_counter() - (self._stall_from or t0))
+                self._stall_from = None  # (also when every sequence that waited has left meanwhile)
             self.steps += 1
-            if decoding_before and not first:
-                self.longest_stall_s = max(self.longest_stall_s, time.perf_counter() - (self._stall_from or t0))
-                self._stall_from = None
             self._retire_finished()
             return not self.idle()
 
