@@ -463,3 +463,44 @@ def test_torch_path_batches_exactly(monkeypatch):
     cfg = DraftConfig("early-exit", exit_layer=2, num_speculations=3)
     got = _run(m, [_req(p, cfg) for p in ps], {2: 2}, plan_drafts=False)
     assert [r.token_ids for r in got] == solo
+
+
+def test_a_freed_cache_serves_the_next_newcomer_and_its_stale_rows_never_count(monkeypatch):
+    """A newcomer takes a freed cache of its capacity as is (the fused blocks never read a key
+    past a query's own position); a runtime without them zeroes it first. Poisoned with NaN,
+    the freed cache must change no token on either path."""
+    ps = prompts(n=2, seed=8, lengths=(6, 11))
+    for no_kernels in ("", "1"):
+        monkeypatch.setenv("SELFSPEC_NO_KERNELS", no_kernels)
+        m = _ideal("float32")
+        assert (m.runtime.blocks is None) == bool(no_kernels)
+        solo = [ar_generate(m, p, max_new_tokens=N_NEW).token_ids for p in ps]
+        eng = BatchEngine(m, max_batch=1)
+        h0 = eng.submit(_req(ps[0], DraftConfig("early-exit", exit_layer=2, num_speculations=3)))
+        eng.run()
+        assert h0.result.token_ids == solo[0]
+        (freed,) = eng._caches._free
+        freed.kt.fill_(float("nan"))
+        freed.v.fill_(float("nan"))
+        h1 = eng.submit(_req(ps[1], DraftConfig("early-exit", exit_layer=2, num_speculations=3)))
+        eng.step()
+        assert eng._active[0].cache is freed and not eng._caches._free
+        eng.run()
+        assert h1.result.token_ids == solo[1], f"no_kernels={no_kernels!r}"
+
+
+def test_the_cache_pool_keeps_capacities_apart_and_its_bytes_bounded():
+    from selfspec.cache import CachePool
+
+    m = _ideal("float32")
+    rt = m.runtime
+    a, b = rt.new_cache(100), rt.new_cache(300)  # capacities 256 and 512
+    size = a.kt.nbytes + a.v.nbytes
+    pool = CachePool(rt, max_bytes=3 * size)
+    pool.give(a)
+    pool.give(b)  # 512 positions: twice a's bytes
+    assert pool.take(200) is a and pool.take(100) is not a  # 256: a, then a new one
+    assert pool.take(400) is b
+    for c in [rt.new_cache(10) for _ in range(4)]:
+        pool.give(c)
+    assert len(pool._free) == 3 and pool.bytes == 3 * size  # the oldest dropped

@@ -6,8 +6,8 @@
     h.wait().token_ids                                             # == model.generate(...)'s
 
 A step (sequences join and leave only between steps):
-  1. admit queued requests up to max_batch (each gets its own KV cache, sized as solo) and
-     drop cancelled ones (their cache is freed with them);
+  1. admit queued requests up to max_batch (each gets its own KV cache, sized as solo: a
+     freed one when the pool has one) and drop cancelled ones (their cache back to the pool);
   2. plan every decoding sequence's draft length: greedy, the batch planner (planner.py);
      sampling, the sequence's own rule (auto's gating or its fixed K), so its RNG is consumed
      exactly as alone;
@@ -38,6 +38,7 @@ import torch
 from selfspec.batch.passes import Part, draft_depth, signature, staged_forward, verify_part
 from selfspec.batch.planner import BatchCosts, CostScale, plan_with_probes, predicted
 from selfspec.batch.sequence import BatchHandle, BatchRequest, Sequence
+from selfspec.cache import CachePool
 from selfspec.config import MAX_SPECULATIONS
 from selfspec.drafters import EarlyExitDrafter
 from selfspec.drafters.base import Draft
@@ -48,6 +49,7 @@ from selfspec.verification import greedy_accept, speculative_accept
 PREFILL_ROWS_PER_CORE = 32  # default prefill chunk per CPU core (see default_prefill_chunk)
 PREFILL_PATIENCE = 4  # steps a newcomer may be passed over by shorter prompts before it goes first
 FIRST_PROMPT_SHARE = 0.5  # of the prefill chunk: the rows newcomers' whole prompts may take in a pass of their own
+CACHE_POOL_BYTES = 128 << 20  # freed KV caches kept for newcomers (cache.CachePool): 27 of the default model's 256-position ones
 _costs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # runtime -> BatchCosts, measured once
 
 
@@ -81,6 +83,7 @@ class BatchEngine:
         self._costs = costs
         self._queue: deque[tuple[BatchHandle, object, float]] = deque()  # (handle, drafter, submitted at)
         self._active: list[Sequence] = []
+        self._caches = CachePool(self.rt, CACHE_POOL_BYTES)
         self._lock = threading.Lock()  # the queue and cancellations
         self._step_lock = threading.Lock()  # one step at a time
         self.steps = 0
@@ -157,7 +160,7 @@ class BatchEngine:
                     handle._finish(None)
                     continue
                 req = handle.request
-                cache = self.rt.new_cache(len(req.prompt_ids) + req.gen.max_new_tokens + MAX_SPECULATIONS + 2)
+                cache = self._caches.take(len(req.prompt_ids) + req.gen.max_new_tokens + MAX_SPECULATIONS + 2)
                 seq = Sequence(handle, drafter, cache, self.model.tokenizer, self.model.eos_token_ids)
                 seq.t_start = t_submit  # time to first token counts the wait in the queue
                 seq.admitted_step = self.steps
@@ -177,13 +180,16 @@ class BatchEngine:
                 self._queue.remove(next(q for q in self._queue if q[0] is h))
                 h._finish(None)
         for s in [s for s in self._active if s.handle.cancelled]:
-            self._active.remove(s)
-            s.handle._finish(s.result())
+            self._retire(s)
 
     def _retire_finished(self) -> None:
         for s in [s for s in self._active if s.out.finish is not None]:
-            self._active.remove(s)
-            s.handle._finish(s.result())
+            self._retire(s)
+
+    def _retire(self, s: Sequence) -> None:
+        self._active.remove(s)
+        self._caches.give(s.cache)
+        s.handle._finish(s.result())
 
     # ---- one step ------------------------------------------------------------------------------
 
