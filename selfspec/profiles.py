@@ -153,13 +153,14 @@ def _read_profile(path: Path) -> Profile | None:
         except SelfSpecError:
             prof = None
         hit = _read[path] = (key, prof)
-    prof = hit[1]
-    return None if prof is None else replace(prof, metrics=copy.deepcopy(prof.metrics))  # callers may change theirs
+    return hit[1]  # shared: never changed here
 
 
-def installed_profile(fingerprint: str) -> Profile | None:
+def installed_profile(fingerprint: str, shared: bool = False) -> Profile | None:
     """The profile `auto` uses for a model: the user's (selfspec search --install) first,
-    then one shipped in the package; None when neither matches the fingerprint."""
+    then one shipped in the package; None when neither matches the fingerprint. The caller
+    gets its own copy, or with shared=True the parsed one that every caller shares (read
+    only: auto's drafter, built per request, reads it)."""
     for d in (user_profile_dir(), PACKAGED):
         for path in sorted(d.glob("*.json")) if d.is_dir() else ():
             prof = _read_profile(path)
@@ -172,7 +173,7 @@ def installed_profile(fingerprint: str) -> Profile | None:
                     _skipped.add(str(path))
                     _log.warning(f"selfspec: warning: auto ignores the installed profile {path}: {losing_note(prof)}")
                 continue
-            return prof
+            return prof if shared else replace(prof, metrics=copy.deepcopy(prof.metrics))
     return None
 
 

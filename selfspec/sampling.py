@@ -128,12 +128,14 @@ def make_rng(seed: int | None, device="cpu") -> torch.Generator:
 
 
 class SubVocab:
-    """A restricted draft vocabulary: entry j of a draft row is token ids[j]."""
+    """A restricted draft vocabulary: entry j of a draft row is token ids[j]. Read-only, so
+    the drafters of one model share one per vocabulary (DraftResources.sub_vocab)."""
 
     def __init__(self, ids: torch.Tensor, vocab_size: int):
         self.ids = ids.long().contiguous()
         self.index = torch.full((vocab_size,), -1, dtype=torch.long, device=ids.device)  # token -> entry, -1 outside
         self.index[self.ids] = torch.arange(len(self.ids), device=ids.device)
+        self.tokens: list[int] = self.ids.tolist()  # entry -> token without a torch op
 
 
 class Dist:

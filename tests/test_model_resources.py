@@ -50,6 +50,13 @@ def test_draft_heads_are_shared_between_drafters():
     a = m.drafter(DraftConfig("early-exit", exit_layer=1, draft_vocab=40))
     b = m.drafter(DraftConfig("layer-skip", skip_mlp=(1,), draft_vocab=40, num_speculations=3))
     assert a.draft_head is b.draft_head and torch.equal(a.vocab, b.vocab)
+    assert a.sub is b.sub and a.sub.tokens == a.vocab.tolist()  # the token <-> entry maps too (made per vocabulary)
+    other = torch.arange(40) * 2  # another vocabulary of the same size gets its own map
+    sub = m.resources.sub_vocab(other)
+    assert sub is not a.sub and sub.tokens == other.tolist() and int(sub.index[78]) == 39 and int(sub.index[1]) == -1
+    m.set_token_frequencies(torch.arange(m.spec.vocab_size).flip(0))  # new frequencies: new vocabularies, new maps
+    c = m.drafter(DraftConfig("early-exit", exit_layer=1, draft_vocab=40))
+    assert c.sub is not a.sub and c.sub.tokens == list(range(m.spec.vocab_size - 40, m.spec.vocab_size))
 
 
 def test_concurrent_generate_calls_equal_solo_calls():

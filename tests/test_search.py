@@ -851,5 +851,8 @@ def test_installed_profile_is_read_again_when_its_file_changes(tmp_path, monkeyp
     assert first.draft.exit_layer == 3
     first.metrics["acceptance_rate"] = 0.0
     assert installed_profile(fp).metrics["acceptance_rate"] == 0.5
+    shared = installed_profile(fp, shared=True)  # auto's read-only view: parsed once, no copy
+    assert shared is installed_profile(fp, shared=True) and shared.metrics["acceptance_rate"] == 0.5
     install_profile(Profile(DraftConfig("early-exit", exit_layer=5, num_speculations=4), fp, "m"))
     assert installed_profile(fp).draft.exit_layer == 5
+    assert installed_profile(fp, shared=True).draft.exit_layer == 5

@@ -58,13 +58,19 @@ def build(cfg: DraftConfig, res: DraftResources, eos_ids: tuple[int, ...] = (), 
         d = LayerSkipDrafter(rt, cfg, eos_ids)
     elif s == "quantized":
         d = QuantizedDrafter(rt, cfg, eos_ids, draft_rt=res.quantized(cfg.draft_bits))
-        d.set_draft_vocab(*res.draft_head(cfg.draft_vocab if vocab else None, cfg.head_bits))
+        _draft_over(d, res, cfg.draft_vocab if vocab else None, cfg.head_bits)
         return d
     else:  # pragma: no cover - DraftConfig validates strategies
         raise AssertionError(s)
     if cfg.draft_vocab is not None and vocab:
-        d.set_draft_vocab(*res.draft_head(cfg.draft_vocab))
+        _draft_over(d, res, cfg.draft_vocab)
     return d
+
+
+def _draft_over(d, res: DraftResources, n: int | None, bits: int | None = None) -> None:
+    """d drafts over the n most frequent tokens (None: all) with res's head for them."""
+    vocab, head = res.draft_head(n, bits)
+    d.set_draft_vocab(vocab, head, None if vocab is None else res.sub_vocab(vocab))
 
 
 def make_drafter(runtime, cfg: DraftConfig, eos_ids: tuple[int, ...] = (), draft_runtime=None, adapter=None) -> Drafter:
@@ -105,7 +111,7 @@ def build_auto(cfg: DraftConfig, res: DraftResources, eos_ids: tuple[int, ...] =
     rt = res.runtime
     base_cfg, source, prior = cfg.base, "given", None
     if base_cfg is None:
-        prof = installed_profile(res.fingerprint)
+        prof = installed_profile(res.fingerprint, shared=True)
         if prof is not None and not runs_here(prof.draft, rt):
             if res.fingerprint not in _noted_unrunnable:  # once per model and process
                 _noted_unrunnable.add(res.fingerprint)

@@ -43,16 +43,17 @@ class TokenDrafter(Drafter):
         self.draft_head = None  # [H, N] prepared LM-head columns for `vocab`
         self._vocab_ids: list[int] | None = None  # `vocab` as a list (index -> token without a torch op)
 
-    def set_draft_vocab(self, vocab: torch.Tensor | None, head=None) -> None:
+    def set_draft_vocab(self, vocab: torch.Tensor | None, head=None, sub: SubVocab | None = None) -> None:
         """Draft over `vocab` (sorted ids; None: all) with `head`: those LM-head columns as the
         runtime multiplies them (prepared or quantized, shared between drafters; None with a
-        vocab: prepared here; None without: the runtime's own head). Verification always uses
-        the full head."""
+        vocab: prepared here; None without: the runtime's own head). `sub`: vocab's SubVocab
+        when the caller keeps one (DraftResources.sub_vocab), else made here. Verification
+        always uses the full head."""
         if vocab is not None and head is None:
             head = self.rt.prepare_weight(self.rt.head_columns(vocab).contiguous())
         self.vocab, self.draft_head = vocab, head
-        self._vocab_ids = None if vocab is None else vocab.tolist()
-        self.sub = None if vocab is None else SubVocab(vocab, self.rt.spec.vocab_size)
+        self.sub = None if vocab is None else sub or SubVocab(vocab, self.rt.spec.vocab_size)
+        self._vocab_ids = None if vocab is None else self.sub.tokens
 
     def _new_threshold(self) -> AdaptiveThreshold | None:
         return AdaptiveThreshold(self.cfg.draft_threshold) if self.cfg.draft_threshold is not None else None
