@@ -194,13 +194,17 @@ async def sweep(args, url: str, model_name: str, refs: dict[str, str]) -> list[d
                 run = {"strategy": strategy, "clients": n, "requests": len(results), "wall_s": wall,
                        "tok_s": sum(r["tokens"] for r in results) / wall, "ttft_p50_s": pct([r["ttft"] for r in results], 0.5),
                        "longest_stall_s": max(r["gap"] for r in results),
+                       "ttft_p50_by_round_s": [pct([x["ttft"] for k, x in enumerate(results) if k % args.rounds == r], 0.5)
+                                               for r in range(args.rounds)],
                        "identical": sum(r["text"] == refs[p] for r, p in zip(results, prompts)),
                        "mismatches": [mismatch(PROMPTS.index(p), r["text"], refs[p]) for r, p in zip(results, prompts) if r["text"] != refs[p]]}
                 for m in run["mismatches"]:
                     print(f"  MISMATCH {strategy} {n} clients, prompt {m['prompt']}: from character {m['at']}, "
                           f"got {m['got'][m['at']:m['at'] + 40]!r}, solo {m['want'][m['at']:m['at'] + 40]!r}", file=sys.stderr, flush=True)
                 runs.setdefault((strategy, n), []).append(run)
-                print(f"  {strategy:>14} {n:>3} clients: {run['tok_s']:7.1f} tok/s, TTFT p50 {run['ttft_p50_s'] * 1000:6.0f} ms, "
+                by_round = " / ".join(f"{t * 1000:.0f}" for t in run["ttft_p50_by_round_s"])
+                print(f"  {strategy:>14} {n:>3} clients: {run['tok_s']:7.1f} tok/s, TTFT p50 {run['ttft_p50_s'] * 1000:6.0f} ms "
+                      f"(by round {by_round}), "
                       f"longest stall {run['longest_stall_s'] * 1000:6.0f} ms, identical {run['identical']}/{len(results)}",
                       file=sys.stderr, flush=True)
     await client.close()
@@ -290,7 +294,13 @@ async def run(args) -> dict:
                 except httpx.HTTPError:
                     pass
                 await asyncio.sleep(0.25)
-            model_name = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
+            served = (await client.get(url + "/v1/models")).json()["data"][0]
+            model_name = served["id"]
+            # references computed here are the server's only if both processes do the same arithmetic
+            report["numerics"] = {"here": model.runtime.numerics, "server_fingerprint": served.get("fingerprint")}
+            if not str(served.get("fingerprint", "")).endswith("-" + model.runtime.numerics):
+                print(f"  WARNING: this process computes as {model.runtime.numerics}, the server as {served.get('fingerprint')}: "
+                      "a near-tie of two logits may break differently, so texts may differ", file=sys.stderr, flush=True)
             prompts = PROMPTS[: args.prompts]
             if args.sweep:
                 ar = model.draft_config("autoregressive")

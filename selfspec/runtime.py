@@ -107,17 +107,17 @@ class Runtime:
         self.final_norm: torch.Tensor = weights["final_norm"]
         self.embed_weight: torch.Tensor | None = weights["embed"]  # [V, H] if untied
         self.hf_config = hf_config
-        # The CPU goes through our kernels when they compiled here; CUDA through torch. One
-        # choice per runtime: decode and verify must share it.
+        # The CPU goes through our kernels when they compiled here; CUDA through torch (one choice per runtime)
         self.uses_kernels = self.device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and kernels.available()
         if self.device.type == "cpu" and not self.uses_kernels:
             _warn_no_kernels(self.kernels_missing())
-        # Row padding: CPU BLAS agrees for any >= 2 rows; cuBLAS picks kernels by shape, so on
-        # CUDA every decode/verify matmul runs at one fixed row count (static shapes).
+        # Row padding: CPU BLAS agrees for any >= 2 rows; cuBLAS picks kernels by shape (static shapes on CUDA)
         self.min_rows = 2 if self.device.type == "cpu" else 2 * MAX_SPECULATIONS
         self._mm = _kernel_mm if self.uses_kernels else functools.partial(_torch_mm, min_rows=self.min_rows)
+        amx = self.uses_kernels and dtype == torch.bfloat16 and kernels.amx()  # not the head: see the kernels' doc
+        self.numerics = (f"{self.device.type}-torch" if not self.uses_kernels else "cpu-amx" if amx else  # the arithmetic: equal
+                         "cpu-bf16pairs" if dtype == torch.bfloat16 and kernels.has_pairs() else "cpu-fma")  # numerics, equal bits
         if self.uses_kernels:  # 64-column tiles, bf16 pairs where the CPU has them, the layers on AMX tiles where it has those
-            amx = dtype == torch.bfloat16 and kernels.amx()  # not the head: see the kernels' doc
             self.layers = [{k: kernels.pack(w, amx=amx) if k in _MATRICES else w for k, w in L.items()} for L in self.layers]
         rows = weights["head"]  # [V, H]
         self.head = kernels.pack_rows(rows) if self.uses_kernels else rows.t().contiguous()  # [H, V]

@@ -203,6 +203,8 @@ def test_completion_greedy_matches_direct_generation(server, client, model):
         r = client.completions.create(model=NAME, prompt=prompt, max_tokens=40, temperature=0)
         assert r.choices[0].text == ref.text
         assert r.choices[0].finish_reason == ("length" if ref.finish_reason == "length" else "stop")
+        # the arithmetic is part of the fingerprint: the server's process computes as this one does
+        assert r.system_fingerprint.endswith("-" + model.runtime.numerics)
         assert r.usage.prompt_tokens == ref.prompt_tokens and r.usage.completion_tokens == len(ref.token_ids)
         stats = r.model_extra["selfspec"]
         assert stats["strategy"] == "early-exit" and stats["new_tokens"] == len(ref.token_ids)

@@ -53,7 +53,8 @@ class Server:
         self.ctx = ParseContext.for_model(model, draft_config, settings)
         self.created = int(time.time())
         fp = getattr(model, "fingerprint", "") or ""
-        self.fingerprint = f"selfspec-{fp}" if fp else "selfspec"
+        # OpenAI's system_fingerprint: what may change outputs; the arithmetic too (Runtime.numerics)
+        self.fingerprint = "-".join(["selfspec", *([fp] if fp else []), model.runtime.numerics])
         self.metrics = Metrics(settings.model_name, fp, draft_config.strategy)
         self.admission = Admission(settings, self.metrics)
         self.worker = Worker(model, settings, self.metrics, self.admission)
