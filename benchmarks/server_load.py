@@ -180,6 +180,8 @@ async def sweep(args, url: str, model_name: str, refs: dict[str, str]) -> list[d
     runs: dict[tuple[str, int], list[dict]] = {}
     for n in [int(c) for c in args.clients_list.split(",")]:
         prompts = [PROMPTS[(i * args.rounds + r) % len(PROMPTS)] for i in range(n) for r in range(args.rounds)]
+        # n connections open before timing (clients keep theirs alive): a new one cost its first request ~5-40 ms here
+        await asyncio.gather(*(openai_stream(client, model_name, PROMPTS[i % len(PROMPTS)], 1, None) for i in range(n)))
         for rep in range(args.repeats):
             for strategy in strategies if rep % 2 == 0 else strategies[::-1]:
                 extra = extras[strategy]
