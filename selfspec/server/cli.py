@@ -139,7 +139,8 @@ def cmd_serve(args) -> int:
     if not args.no_warmup:
         warmup(model, draft)
     app = create_app(model, draft, settings)
-    print(f"selfspec: serving {settings.model_name} ({draft.strategy}; chat template: {model.chat_template_source}) "
+    print(f"selfspec: serving {settings.model_name} ({draft.strategy}; chat template: {model.chat_template_source}; "
+          f"arithmetic: {model.runtime.numerics}) "
           f"on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False, log_level=args.log_level,
                 timeout_graceful_shutdown=5)
