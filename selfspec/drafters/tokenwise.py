@@ -41,7 +41,6 @@ class TokenDrafter(Drafter):
         self.vocab: torch.Tensor | None = None  # restricted draft vocabulary (sorted ids), if any
         self.sub: SubVocab | None = None  # the same, for sampling (entry -> token and back)
         self.draft_head = None  # [H, N] prepared LM-head columns for `vocab`
-        self._vocab_ids: list[int] | None = None  # `vocab` as a list (index -> token without a torch op)
 
     def set_draft_vocab(self, vocab: torch.Tensor | None, head=None, sub: SubVocab | None = None) -> None:
         """Draft over `vocab` (sorted ids; None: all) with `head`: those LM-head columns as the
@@ -53,7 +52,6 @@ class TokenDrafter(Drafter):
             head = self.rt.prepare_weight(self.rt.head_columns(vocab).contiguous())
         self.vocab, self.draft_head = vocab, head
         self.sub = None if vocab is None else sub or SubVocab(vocab, self.rt.spec.vocab_size)
-        self._vocab_ids = None if vocab is None else self.sub.tokens
 
     def _new_threshold(self) -> AdaptiveThreshold | None:
         return AdaptiveThreshold(self.cfg.draft_threshold) if self.cfg.draft_threshold is not None else None
@@ -67,7 +65,7 @@ class TokenDrafter(Drafter):
 
     def _take(self, index: int, draft: Draft) -> bool:
         """Append the greedy draft token at draft-head index `index`. -> whether to keep drafting."""
-        token = index if self.vocab is None else self._vocab_ids[index]
+        token = index if self.sub is None else self.sub.tokens[index]  # a list: no torch op per draft token
         draft.tokens.append(token)
         return token not in self.eos_ids
 
