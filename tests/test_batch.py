@@ -249,17 +249,17 @@ def test_prefill_takes_short_prompts_first_and_never_starves_a_long_one(zoo):
 
 
 def test_a_newcomers_short_prompt_gets_a_pass_of_its_own(zoo):
-    """While others decode, a newcomer's whole prompt of at most half a chunk goes first, alone
-    (its first token does not wait for the running sequences' verification); never two such
-    passes in a row; a longer prompt is chunked into the batched steps as before."""
+    """While others decode, newcomers' whole prompts of at most a chunk go first, alone (their
+    first tokens do not wait for the running sequences' verification); never two such passes
+    in a row; a longer prompt is chunked into the batched steps as before."""
     _, m = zoo.get("llama")
-    running, newcomer, long = prompts(n=3, seed=4, lengths=(5, 8, 40))
+    running, newcomer, other, long = prompts(n=4, seed=4, lengths=(5, 8, 12, 40))
     eng = BatchEngine(m, prefill_chunk=16)
     a = eng.submit(_req(running, n=20))
     eng.step()  # a's prefill: its first token
     b = eng.submit(_req(newcomer, n=6))
-    c = eng.submit(_req(newcomer, n=6))
-    eng.step()  # b's 8 rows alone (c's would pass half the chunk): b's first token, a waits
+    c = eng.submit(_req(other, n=6))
+    eng.step()  # b's 8 rows alone (with c's 12 they would pass the chunk): b's first token, a waits
     assert [len(s.out.ids) for s in eng._active] == [1, 1, 0]
     eng.step()  # not a second prompt pass in a row: a batched step, with c's prompt in it
     assert [len(s.out.ids) for s in eng._active] == [2, 2, 1]
@@ -268,7 +268,8 @@ def test_a_newcomers_short_prompt_gets_a_pass_of_its_own(zoo):
     assert [len(s.out.ids) for s in eng._active] == [3, 3, 2, 0] and eng._active[3].prefilled == 16
     eng.run()
     assert a.result.token_ids == ar_generate(m, running, max_new_tokens=20).token_ids
-    assert b.result.token_ids == c.result.token_ids == ar_generate(m, newcomer, max_new_tokens=6).token_ids
+    assert b.result.token_ids == ar_generate(m, newcomer, max_new_tokens=6).token_ids
+    assert c.result.token_ids == ar_generate(m, other, max_new_tokens=6).token_ids
     assert d.result.token_ids == ar_generate(m, long, max_new_tokens=3).token_ids
     assert eng.longest_stall_s > 0
     # a pass of its own, then everyone leaves: the next batch starts afresh (no stale stall start)
@@ -339,6 +340,68 @@ def test_planner_drafts_when_rows_are_free_and_not_when_they_cost():
     low = [_S(0.01), _S(0.01), _S(0.01)]
     assert plan_with_probes(mid, low, caps, [None] * 3, 0, 0) == ([0, 0, 0], [True, True, False])
     assert plan_with_probes(dear, low, caps, [None] * 3, 0, 0) == ([0, 0, 0], [False, False, False])
+
+
+def _passes_cost(costs, lengths, groups):
+    """Summed time to first token of prompts served in consecutive passes of these sizes."""
+    t, total, i = 0.0, 0.0, 0
+    for g in groups:
+        t += costs.verify(sum(lengths[i : i + g]), g)
+        total, i = total + t * g, i + g
+    return total
+
+
+def _best_partition(costs, lengths, cap, later_cap):
+    """Brute force: the least summed time to first token over every partition into passes."""
+    def parts(i, first):
+        if i == len(lengths):
+            yield []
+        for j in range(i + 1, len(lengths) + 1):
+            if j > i + 1 and sum(lengths[i:j]) > (cap if first else later_cap):
+                break
+            for rest in parts(j, False):
+                yield [j - i, *rest]
+    return min(_passes_cost(costs, lengths, p) for p in parts(0, True))
+
+
+def test_prompt_group_minimises_the_summed_time_to_first_token():
+    rows = (1, 2, 4, 8, 16, 32, 64, 128)
+    free = BatchCosts({r: 1.0 for r in rows}, {r: 0.1 for r in rows})  # a pass costs the same whatever its rows
+    dear = BatchCosts({r: 0.2 * r for r in rows}, {r: 0.0 for r in rows}, overhead=0.0)  # compute-bound: rows are everything
+    assert planner.prompt_group(free, [5, 5, 5, 5], 20) == 4
+    assert planner.prompt_group(free, [5, 5, 5, 5], 12) == 2  # the cap holds
+    assert planner.prompt_group(free, [40, 5], 12) == 1  # a prompt alone may pass the cap (the engine cuts it)
+    assert planner.prompt_group(dear, [5, 6, 7, 8], 64) == 1  # shortest first, one at a time
+    assert planner.prompt_group(free, [], 64) == 0
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(30):  # the first pass of an optimal partition, against brute force
+        fixed, per_row = torch.rand(2, generator=gen).tolist()
+        c = BatchCosts({r: fixed + per_row * r / 16 for r in rows}, {r: 0.1 * fixed + 0.01 * r for r in rows})
+        lengths = sorted(torch.randint(1, 30, (int(torch.randint(1, 8, (1,), generator=gen)),), generator=gen).tolist())
+        cap, later = int(torch.randint(20, 120, (1,), generator=gen)), int(torch.randint(10, 80, (1,), generator=gen))
+        g = planner.prompt_group(c, lengths, cap, later)
+        assert g == 1 or sum(lengths[:g]) <= cap
+        rest = _best_partition(c, lengths[g:], later, later) if g < len(lengths) else 0.0
+        t_first = c.verify(sum(lengths[:g]), g)
+        assert t_first * len(lengths) + rest == pytest.approx(_best_partition(c, lengths, cap, later), rel=1e-9)
+
+
+def test_prompts_arriving_together_share_the_pass_the_costs_pick(zoo):
+    """Nothing decoding, four short prompts at once: with a pass's cost all fixed they all take
+    the first pass (up to IDLE_GROUP_CHUNKS chunks: no stream stalls); with rows all the cost,
+    the shortest goes alone. Every output is the solo one."""
+    _, m = zoo.get("llama")
+    ps = prompts(n=4, seed=8, lengths=(6, 7, 8, 9))
+    rows = (1, 2, 4, 8, 16, 32, 64, 128)
+    fixed = BatchCosts({r: 1.0 for r in rows}, {r: 0.1 for r in rows})
+    per_row = BatchCosts({r: 0.2 * r for r in rows}, {r: 0.0 for r in rows}, overhead=0.0)
+    for costs, firsts in ((fixed, [1, 1, 1, 1]), (per_row, [1, 0, 0, 0])):
+        eng = BatchEngine(m, prefill_chunk=16, costs=costs)  # 30 rows: two chunks
+        hs = [eng.submit(_req(p, n=6)) for p in ps]
+        eng.step()
+        assert [len(s.out.ids) for s in eng._active] == firsts
+        eng.run()
+        assert [h.result.token_ids for h in hs] == [ar_generate(m, p, max_new_tokens=6).token_ids for p in ps]
 
 
 def test_planner_prices_self_drafts_by_their_measured_forward(monkeypatch):

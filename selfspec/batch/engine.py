@@ -15,8 +15,10 @@ A step (sequences join and leave only between steps):
      (Sequence.look_up); self-drafts by depth batched (passes.py);
   4. ONE staged pass verifies every sequence's rows and advances up to `prefill_chunk` prompt
      rows of newcomers (chunked prefill: running streams wait one chunk, not a prompt);
-     except that newcomers' short prompts, up to half a chunk of rows, first take a pass of
-     their own while streams are running (_first_prompts: time to first token);
+     except that newcomers' whole prompts, up to a chunk of rows, first take a pass of their
+     own while streams are running (_first_prompts: time to first token); how many prompts
+     share a pass: the fewest summed waits to first token by the measured pass costs
+     (planner.prompt_group);
   5. accept with the solo functions (greedy prefix / speculative sampling), commit, stream,
      and retire finished sequences at once.
 Every row is computed as in a solo run (row-invariant kernels), so a request's tokens do not
@@ -26,6 +28,7 @@ client, or the last of a batch) takes generate's own step instead (BatchEngine._
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -36,7 +39,7 @@ from dataclasses import replace
 import torch
 
 from selfspec.batch.passes import Part, draft_depth, signature, staged_forward, verify_part
-from selfspec.batch.planner import BatchCosts, CostScale, plan_with_probes, predicted
+from selfspec.batch.planner import BatchCosts, CostScale, plan_with_probes, predicted, prompt_group
 from selfspec.batch.sequence import BatchHandle, BatchRequest, Sequence
 from selfspec.cache import CachePool
 from selfspec.config import MAX_SPECULATIONS
@@ -48,7 +51,7 @@ from selfspec.verification import greedy_accept, speculative_accept
 
 PREFILL_ROWS_PER_CORE = 32  # default prefill chunk per CPU core (see default_prefill_chunk)
 PREFILL_PATIENCE = 4  # steps a newcomer may be passed over by shorter prompts before it goes first
-FIRST_PROMPT_SHARE = 0.5  # of the prefill chunk: the rows newcomers' whole prompts may take in a pass of their own
+IDLE_GROUP_CHUNKS = 2  # while no sequence decodes, whole prompts may share a pass of this many chunks (no stream stalls)
 CACHE_POOL_BYTES = 128 << 20  # freed KV caches kept for newcomers (cache.CachePool): 27 of the default model's 256-position ones
 _costs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # runtime -> BatchCosts, measured once
 
@@ -242,45 +245,59 @@ class BatchEngine:
                 s.pick_first(lg[-1])
 
     def _first_prompts(self, skip: set[int] = frozenset()) -> list[tuple[Sequence, Part]]:
-        """Newcomers' prompts that fit whole in FIRST_PROMPT_SHARE of a chunk (shortest first;
-        not those in `skip`, by id) for a pass of their own, while sequences are decoding: at
-        the start of a step, or between its drafts and its verification for those that arrived
-        meanwhile; at most one such pass between two batched verifications. Why: a newcomer's
-        first token then waits for its own rows only (a prompt of ~15 rows: ~15 ms on 2 cores)
-        instead of a whole step that also verifies every running sequence's drafts (25-35 ms
-        at 8); the running ones wait for one short pass more, so a stall stays below half a
-        chunk's pass plus a step."""
+        """Newcomers' whole prompts, at most a chunk of rows together (in _prefill_parts' order,
+        not those in `skip`, by id; as many as planner.prompt_group picks), for a pass of their
+        own while sequences are decoding: at the start of a step, or between its drafts and its
+        verification for those that arrived meanwhile; at most one such pass between two
+        batched verifications. Why: a newcomer's first token then waits for its own rows only
+        (a prompt of ~15 rows: ~15 ms on 2 cores) instead of a whole step that also verifies
+        every running sequence's drafts (25-35 ms at 8); the running ones wait for one such pass
+        more, so a stall stays below a chunk's pass plus a step."""
         if self._stall_from is not None:
             return []
-        budget, out = int(self.prefill_chunk * FIRST_PROMPT_SHARE), []
-        for s, p in self._prefill_parts():
-            if id(s) in skip:
-                continue
-            if p.logits != "last" or s.prefilled or len(p.ids) > budget:
-                break
-            out.append((s, p))
-            budget -= len(p.ids)
-        return out
+        waiting = [s for s in self._waiting() if id(s) not in skip]
+        fresh = list(itertools.takewhile(lambda s: not s.prefilled, waiting))
+        return self._whole_prompts(fresh, self.prefill_chunk)
 
     def _prefill_parts(self) -> list[tuple[Sequence, Part]]:
-        """This step's prompt rows, at most prefill_chunk: shortest remaining prompt first, each
-        whole (only the first prompt taken may be cut to the chunk), so the short prompts of
-        several arriving together reach their first token a pass early instead of all waiting
-        for one long pass; a newcomer passed over for PREFILL_PATIENCE steps goes first, in
-        arrival order, and may be cut too, so a long prompt never starves."""
+        """This step's prompt rows: the first waiting prompts whole, as many as
+        planner.prompt_group picks within the chunk (within IDLE_GROUP_CHUNKS chunks while no
+        sequence decodes: no stream stalls then); a first prompt that does not fit whole is cut
+        to the chunk. The order: shortest remaining prompt first, so the short prompts of several
+        arriving together reach their first token a pass early instead of all waiting for one
+        long pass; a newcomer passed over for PREFILL_PATIENCE steps goes first, in arrival
+        order, so a long prompt never starves."""
+        waiting = self._waiting()
+        if not waiting:
+            return []
+        cap = self.prefill_chunk * (1 if any(s.decoding for s in self._active) else IDLE_GROUP_CHUNKS)
+        if parts := self._whole_prompts(waiting, cap):
+            return parts
+        s = waiting[0]
+        ids = s.req.prompt_ids[s.prefilled : s.prefilled + self.prefill_chunk]
+        return [(s, Part(s.cache, s.prefilled, ids, "none", argmax_only=s.req.sampling.greedy))]
+
+    def _waiting(self) -> list[Sequence]:
+        """Sequences with prompt rows left, in the order they are served (_prefill_parts)."""
         waiting = [s for s in self._active if s.prefilled < len(s.req.prompt_ids)]
         overdue = lambda s: self.steps - s.admitted_step >= PREFILL_PATIENCE
         waiting.sort(key=lambda s: (not overdue(s), 0 if overdue(s) else len(s.req.prompt_ids) - s.prefilled))
-        budget, out = self.prefill_chunk, []
-        for s in waiting:
-            n = len(s.req.prompt_ids) - s.prefilled
-            if budget <= 0 or (n > budget and out and not overdue(s)):
-                continue
-            take = min(n, budget)
-            ids = s.req.prompt_ids[s.prefilled : s.prefilled + take]
-            out.append((s, Part(s.cache, s.prefilled, ids, "last" if take == n else "none", argmax_only=s.req.sampling.greedy)))
-            budget -= take
-        return out
+        return waiting
+
+    def _whole_prompts(self, waiting: list[Sequence], cap: int) -> list[tuple[Sequence, Part]]:
+        """The first of `waiting` whole, at most `cap` rows, as many as planner.prompt_group picks."""
+        left = [len(s.req.prompt_ids) - s.prefilled for s in waiting]
+        fit = len(list(itertools.takewhile(lambda c: c <= cap, itertools.accumulate(left))))
+        if fit > 1:
+            fit = prompt_group(self.costs, left, cap, self.prefill_chunk)  # later passes: streams decode then
+        return [(s, Part(s.cache, s.prefilled, s.req.prompt_ids[s.prefilled:], "last", argmax_only=s.req.sampling.greedy))
+                for s in waiting[:fit]]
+
+    @property
+    def costs(self) -> BatchCosts:
+        if self._costs is None:
+            self._costs = batch_costs(self.rt)
+        return self._costs
 
     def _plan(self, seqs: list[Sequence], prefill) -> tuple[float, float] | None:
         """seq.planned_k for every sequence (module doc, step 2); -> the (draft, verify) seconds
@@ -312,11 +329,9 @@ class BatchEngine:
                 s.draft, s.copying = Draft(copy, copied=True), True
                 cap = len(copy)
             caps.append(cap)
-        if self._costs is None:
-            self._costs = batch_costs(self.rt)
         groups = [signature(s) if s.kind == "depth" and not s.copying else None for s in greedy]
         p_rows, p_logits = sum(len(p.ids) for _, p in prefill), sum(p.logits != "none" for _, p in prefill)
-        ks, worth = plan_with_probes(self._costs, greedy, caps, groups, p_rows, p_logits, self.cost_scale.scales)
+        ks, worth = plan_with_probes(self.costs, greedy, caps, groups, p_rows, p_logits, self.cost_scale.scales)
         self.last_plan = ks
         for i, (s, k, cap, w) in enumerate(zip(greedy, ks, caps, worth)):
             k = ks[i] = self._probe(s, k, cap if w else 0)
@@ -328,7 +343,7 @@ class BatchEngine:
         if len(greedy) < len(seqs):  # rows the planner did not decide: not the tables' to predict
             return None
         decode_rows = sum(k + 1 for k in ks)
-        return predicted(self._costs, ks, groups, p_rows + decode_rows, p_logits + decode_rows)
+        return predicted(self.costs, ks, groups, p_rows + decode_rows, p_logits + decode_rows)
 
     @staticmethod
     def _probe(s: Sequence, k: int, cap: int) -> int:

@@ -326,3 +326,33 @@ class CostScale:
     def scales(self) -> tuple[float, float]:
         """(draft, verify): the draft tables are in the layer table's time (measure_draft)."""
         return (self.draft if self.draft_seen else self.verify), self.verify
+
+
+def prompt_group(costs: BatchCosts, lengths: list[int], cap: int, later_cap: int | None = None) -> int:
+    """How many of the waiting prompts (whole, `lengths` rows each, in the order they are
+    served) the next pass takes, so that their summed time to first token is least.
+
+    A pass of R prompt rows costs t(R, m) = costs.verify(R, m) (m: its prompts' last rows,
+    which get logits); every prompt not yet served waits for it. Over the partitions of the
+    order into consecutive passes of at most `cap` rows (a prompt alone may exceed it):
+
+        T(i) = min_j  t(rows[i:j], j - i) * (n - i) + T(j),    T(n) = 0
+
+    and the answer is the first pass of the best partition (later passes within `later_cap`:
+    the engine's cap once streams decode). Why not always as many as fit: a pass has a fixed
+    part (every weight streamed, the head's rows) that grouping shares, and a part per row that
+    it does not; on 2 cores eight 13-19-row prompts arriving together (in process, the default
+    model) reached their first tokens at 33 ms (4) / 52 (2) / 78 (2) in passes of at most 64
+    rows, mean 50 ms; at 37.5 (5) / 64.5 (3), mean 47.6, in the partition this picks."""
+    n = len(lengths)
+    best, first = [0.0] * (n + 1), [1] * (n + 1)
+    for i in range(n - 1, -1, -1):
+        best[i], rows = float("inf"), 0
+        for j in range(i + 1, n + 1):
+            rows += lengths[j - 1]
+            if rows > (cap if i == 0 or later_cap is None else later_cap) and j > i + 1:
+                break
+            t = costs.verify(rows, j - i) * (n - i) + best[j]
+            if t < best[i]:
+                best[i], first[i] = t, j - i
+    return first[0] if n else 0

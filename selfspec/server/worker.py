@@ -22,8 +22,8 @@ counts from arrival to the slot. Between two steps the thread admits, then runs 
 under the model's own lock (direct `model.generate` calls elsewhere in the process
 interleave safely), then hands finished jobs their results. Newcomers' prompts are prefilled
 in chunks of `prefill_chunk` rows inside the running sequences' verify pass, so a long prompt
-delays running streams by one chunk per step, never a whole prefill (a short one, up to half a
-chunk, takes a pass of its own first: BatchEngine._first_prompts). A strategy the engine
+delays running streams by one chunk per step, never a whole prefill (short ones, up to a chunk
+together, take a pass of their own first: BatchEngine._first_prompts). A strategy the engine
 cannot batch runs its solo steps inside the batch (exact, as alone).
 
 Failures: a request's own failure (building its drafter, streaming its tokens) ends that
