@@ -25,9 +25,10 @@ For every strategy (`default`: the server's own, no `selfspec` field; any other 
 per request) and every client count N: N clients each stream --rounds requests at once;
 reports aggregate tokens/s, p50 time to first token, the longest gap between two chunks any
 client saw (a stall), and whether every output equals solo greedy decoding (computed here).
-With --repeats R the strategies take turns at each client count R times and a cell is the
-median run: the machine's speed drifts, and a strategy measured minutes after another is
-not comparable to it.
+With --repeats R the strategies take turns at each client count R times and a cell's tok/s is
+the median run's: the machine's speed drifts, and a strategy measured minutes after another
+is not comparable to it; its TTFT p50 is over every request of its R runs ("TTFT x 1 client":
+over the same strategy's 1-client cell).
 """
 
 from __future__ import annotations
@@ -169,7 +170,7 @@ async def sweep(args, url: str, model_name: str, refs: dict[str, str]) -> list[d
     """Every strategy x client count (module doc, sweep mode). The strategies take turns at
     each client count, --repeats times (the order flipping each time), so that a drift of the
     machine's speed over minutes lands on all of them alike; a cell reports the median run
-    (by tok/s) and counts every run's outputs."""
+    (by tok/s), the TTFT p50 of every run's requests, and counts every run's outputs."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=args.request_timeout)
@@ -194,7 +195,8 @@ async def sweep(args, url: str, model_name: str, refs: dict[str, str]) -> list[d
                 results = [x for xs in await asyncio.gather(*(one_client(i) for i in range(n))) for x in xs]
                 wall = time.perf_counter() - t0
                 run = {"strategy": strategy, "clients": n, "requests": len(results), "wall_s": wall,
-                       "tok_s": sum(r["tokens"] for r in results) / wall, "ttft_p50_s": pct([r["ttft"] for r in results], 0.5),
+                       "tok_s": sum(r["tokens"] for r in results) / wall, "ttfts_s": [r["ttft"] for r in results],
+                       "ttft_p50_s": pct([r["ttft"] for r in results], 0.5),
                        "longest_stall_s": max(r["gap"] for r in results),
                        "ttft_p50_by_round_s": [pct([x["ttft"] for k, x in enumerate(results) if k % args.rounds == r], 0.5)
                                                for r in range(args.rounds)],
@@ -213,7 +215,10 @@ async def sweep(args, url: str, model_name: str, refs: dict[str, str]) -> list[d
     rows = []
     for _, cell in sorted(runs.items(), key=lambda kv: strategies.index(kv[0][0])):  # by strategy, then clients
         row = dict(sorted(cell, key=lambda r: r["tok_s"])[(len(cell) - 1) // 2])  # the median run (lower of two)
-        row.update(requests=sum(r["requests"] for r in cell), identical=sum(r["identical"] for r in cell),
+        # time to first token: p50 over every request of the cell's runs (a per-request figure; the
+        # run picked for its tok/s is one sample of a few requests, and it swung 1.7-2.2x between runs)
+        row.update(ttft_p50_s=pct([t for r in cell for t in r["ttfts_s"]], 0.5), ttft_p50_runs_s=[r["ttft_p50_s"] for r in cell],
+                   requests=sum(r["requests"] for r in cell), identical=sum(r["identical"] for r in cell),
                    mismatches=[m for r in cell for m in r["mismatches"]],
                    runs_tok_s=[r["tok_s"] for r in cell], longest_stall_s=max(r["longest_stall_s"] for r in cell))
         rows.append(row)
@@ -463,13 +468,13 @@ def print_sweep(report: dict, args) -> int:
     print(f"model {report['model']} ({args.dtype}), greedy, {args.max_tokens} new tokens, openai client over loopback; "
           f"load average {os.getloadavg()[0]:.1f}")
     plain = {r["clients"]: r["tok_s"] for r in rows if r["strategy"] == "autoregressive"}
-    print("| strategy | clients | tok/s | x 1 client | x autoregressive | TTFT p50 (ms) | longest stall (ms) | identical to solo |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| strategy | clients | tok/s | x 1 client | x autoregressive | TTFT p50 (ms) | TTFT x 1 client | longest stall (ms) | identical to solo |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        base = next(b for b in rows if b["strategy"] == r["strategy"])["tok_s"]
+        base = next(b for b in rows if b["strategy"] == r["strategy"])
         vs = f"{r['tok_s'] / plain[r['clients']]:.2f}" if r["clients"] in plain else ""
-        print(f"| {r['strategy']} | {r['clients']} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f} | {vs} | {r['ttft_p50_s'] * 1000:.0f} | "
-              f"{r['longest_stall_s'] * 1000:.0f} | {r['identical']}/{r['requests']} |")
+        print(f"| {r['strategy']} | {r['clients']} | {r['tok_s']:.1f} | {r['tok_s'] / base['tok_s']:.2f} | {vs} | {r['ttft_p50_s'] * 1000:.0f} | "
+              f"{r['ttft_p50_s'] / base['ttft_p50_s']:.2f} | {r['longest_stall_s'] * 1000:.0f} | {r['identical']}/{r['requests']} |")
     hf = report.get("transformers") or []
     if hf:
         print("\n| transformers `generate_batch` | requests | tok/s | x 1 request |\n|---|---|---|---|")
