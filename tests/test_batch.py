@@ -315,6 +315,40 @@ def test_a_newcomer_arriving_while_drafts_are_made_goes_before_the_verification(
     assert late[0].result.token_ids == ar_generate(m, newcomer, max_new_tokens=5).token_ids
 
 
+@pytest.mark.parametrize("no_kernels", [False, True], ids=["kernels", "torch"])
+def test_newcomers_arriving_during_a_pass_join_it(monkeypatch, no_kernels):
+    """With an intake (the server's worker), requests that arrive while a pass runs join it at a
+    stage boundary (passes.JOIN_STAGES): their first tokens come from that very pass, whether it
+    verifies drafts (early exit's rows entering at the exit layer) or prefills; every output is
+    the solo one, greedy and seeded sampling."""
+    if no_kernels:
+        monkeypatch.setenv("SELFSPEC_NO_KERNELS", "1")
+    m = _ideal("float32")
+    running, plain, sampled, third = prompts(n=4, seed=12, lengths=(6, 9, 7, 5))
+    cfg = DraftConfig("early-exit", exit_layer=2, num_speculations=3)
+    seeded = SamplingConfig(temperature=0.9, seed=7)
+    eng = BatchEngine(m, prefill_chunk=32, plan_drafts=False)
+    arriving: list[list[BatchRequest]] = [[_req(plain, n=8), _req(sampled, cfg, n=8, sampling=seeded)], [_req(third, n=6)]]
+    joined, calls = [], []
+
+    def intake():
+        calls.append(len(eng._active))
+        if len(calls) in (1, 4) and arriving:  # at the first boundary of a pass, and at another pass's
+            joined.extend(eng.submit(r) for r in arriving.pop(0))
+
+    a = eng.submit(_req(running, cfg, n=12))
+    eng.intake = intake
+    eng.step()  # a's prompt pass: two newcomers arrive during it and join it
+    assert [len(s.out.ids) for s in eng._active] == [1, 1, 1]
+    eng.step()  # a verifies its drafts; the third arrives during that pass and joins it
+    assert len(eng._active) == 4 and len(eng._active[3].out.ids) == 1 and len(eng._active[0].out.ids) > 1
+    eng.run()
+    assert a.result.token_ids == ar_generate(m, running, max_new_tokens=12).token_ids
+    assert joined[0].result.token_ids == ar_generate(m, plain, max_new_tokens=8).token_ids
+    assert joined[1].result.token_ids == m.generate(sampled, max_new_tokens=8, draft=cfg, temperature=0.9, seed=7).token_ids
+    assert joined[2].result.token_ids == ar_generate(m, third, max_new_tokens=6).token_ids
+
+
 def test_default_prefill_chunk_scales_with_cores():
     assert default_prefill_chunk(1) == 32 and default_prefill_chunk(2) == 64 and default_prefill_chunk(64) == 512
 

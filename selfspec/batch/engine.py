@@ -34,6 +34,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -94,6 +95,10 @@ class BatchEngine:
         self._stall_from: float | None = None  # when the prompt-only passes that decoding sequences wait for began
         self.last_plan: list[int] = []
         self.cost_scale = CostScale()  # measured / predicted draft and verify seconds (planner.CostScale)
+        # intake(): called by the engine thread inside a pass, submits requests that arrived meanwhile
+        # (the server's worker); set, passes run in stages that such newcomers join (_join)
+        self.intake: Callable[[], None] | None = None
+        self._joined: list[tuple[Sequence, Part]] = []
 
     # ---- the interface -----------------------------------------------------------------
 
@@ -222,12 +227,12 @@ class BatchEngine:
                 self._prefill(first)
         parts = [verify_part(s) for s in batched] + [p for _, p in prefill]
         tv = clock()
-        logits = staged_forward(self.rt, parts)
-        if predicted_s is not None:
+        logits = self._forward(parts)
+        if predicted_s is not None and len(logits) == len(parts):  # (newcomers who joined: rows not predicted)
             self.cost_scale.observe(predicted_s, (t1 - td, clock() - tv))
         for s, lg in zip(batched, logits):
             self._accept(s, lg)
-        self._prefilled(prefill, logits[len(batched):])
+        self._prefilled(prefill, logits[len(batched):len(parts)])
         t2 = clock()
         for s in batched:
             s.stats.time_draft_s += t1 - t0
@@ -235,7 +240,32 @@ class BatchEngine:
 
     def _prefill(self, prefill: list[tuple[Sequence, Part]]) -> None:
         """A pass over prompt rows alone."""
-        self._prefilled(prefill, staged_forward(self.rt, [p for _, p in prefill]))
+        self._prefilled(prefill, self._forward([p for _, p in prefill]))
+
+    def _forward(self, parts: list[Part]) -> list:
+        """staged_forward over the parts; with an intake, newcomers arriving meanwhile join it
+        (their first tokens picked here; their outputs follow the parts')."""
+        if self.intake is None:
+            return staged_forward(self.rt, parts)
+        logits = staged_forward(self.rt, parts, join=self._join)
+        joined, self._joined = self._joined, []
+        self._prefilled(joined, logits[len(parts):])
+        return logits
+
+    def _join(self, layer: int) -> list[Part]:
+        """At a stage boundary of a pass (passes.staged_forward): requests that arrived meanwhile
+        are admitted, and their whole prompts (at most a chunk together, as many as
+        planner.prompt_group picks) join the pass. Cheaper for everyone than their own pass
+        after it: the layers before `layer` run once more, over their rows only."""
+        self.intake()
+        if not self._queue:
+            return []
+        before = {id(s) for s in self._active}
+        self._admit()
+        fresh = [s for s in self._waiting() if id(s) not in before and not s.prefilled]
+        new = self._whole_prompts(fresh, self.prefill_chunk)
+        self._joined += new
+        return [p for _, p in new]
 
     @staticmethod
     def _prefilled(prefill: list[tuple[Sequence, Part]], logits: list) -> None:

@@ -16,12 +16,15 @@ the solo pass (row invariance), hence bit-identical logits.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from selfspec.cache import SegmentTable
 from selfspec.drafters import EarlyExitDrafter
+
+JOIN_STAGES = 4  # a pass that newcomers may join runs in this many stages (staged_forward)
 
 
 def signature(seq) -> tuple:
@@ -85,16 +88,33 @@ def verify_part(seq) -> Part:
     return Part(seq.cache, seq.step.pos, ids, argmax_only=greedy)
 
 
-def staged_forward(rt, parts: list[Part]) -> list[torch.Tensor | list[int] | None]:
+def staged_forward(rt, parts: list[Part], join: Callable[[int], list[Part]] | None = None) -> list[torch.Tensor | list[int] | None]:
     """One batched pass over every part; -> per part its logits rows (fp32 [n, V]; argmax_only:
-    their argmax tokens) or None."""
+    their argmax tokens) or None.
+
+    join(layer), when given, is asked at JOIN_STAGES - 1 layer boundaries for fresh prompt parts
+    (positions from 0 of their own caches) that join the pass there: their rows first run
+    layers [0, layer) in a call of their own (the exit-query cache's way in, from layer 0), then
+    go on with everyone; their outputs follow the parts' in the result, in the order joined. A
+    request arriving while a pass runs so gets its first token from that pass instead of waiting
+    for the pass and then a pass of its own."""
     L = rt.num_layers
-    bounds = sorted({0, L} | {p.entry for p in parts if p.cached is not None})
+    bounds = {0, L} | {p.entry for p in parts if p.cached is not None}
+    if join is not None:
+        bounds |= set(range(-(-L // JOIN_STAGES), L, -(-L // JOIN_STAGES)))
+    bounds = sorted(bounds)
     dev = rt.device
+    parts = list(parts)
     cur = [rt.embed(torch.tensor(p.ids, device=dev)) if p.ids else None for p in parts]
     merged = [p.cached is None for p in parts]
     with torch.inference_mode():
         for a, b in zip(bounds, bounds[1:]):
+            if join is not None and a > 0 and (new := join(a)):
+                h = rt.embed(torch.tensor([t for p in new for t in p.ids], device=dev))
+                h = rt.run_layers_batch(h, 0, a, SegmentTable([(p.cache, p.pos, len(p.ids)) for p in new]))
+                parts += new
+                cur += h.split([len(p.ids) for p in new])
+                merged += [True] * len(new)
             for i, p in enumerate(parts):
                 if not merged[i] and p.entry == a:  # the exit-query cache joins the stage at layer E
                     cur[i] = p.cached if cur[i] is None else torch.cat([p.cached, cur[i]])

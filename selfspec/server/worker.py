@@ -128,7 +128,9 @@ class Worker:
         self.thread.start()
 
     def _new_engine(self) -> BatchEngine:
-        return BatchEngine(self.model, max_batch=self.max_batch, prefill_chunk=self.settings.prefill_chunk)
+        engine = BatchEngine(self.model, max_batch=self.max_batch, prefill_chunk=self.settings.prefill_chunk)
+        engine.intake = self._fill_slots  # requests arriving during a pass join it (BatchEngine._join)
+        return engine
 
     # ---- what the routes and the metrics read --------------------------------------------------
 
