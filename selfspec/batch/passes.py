@@ -11,11 +11,14 @@ in one pass. Early exit's verification enters the full model at layer E with the
 states its drafts already computed (LayerSkip's exit-query cache); the other rows enter at 0.
 The pass runs layers in stages between the distinct entry layers, each stage one batched call
 over every row present, so each weight still streams once per stage; rows are computed as in
-the solo pass (row invariance), hence bit-identical logits.
+the solo pass (row invariance), hence bit-identical logits. Newcomers' prompts may join a
+running pass at a stage boundary the same way, their rows having run the layers before it in
+a call of their own (staged_forward's `join`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -101,7 +104,8 @@ def staged_forward(rt, parts: list[Part], join: Callable[[int], list[Part]] | No
     L = rt.num_layers
     bounds = {0, L} | {p.entry for p in parts if p.cached is not None}
     if join is not None:
-        bounds |= set(range(-(-L // JOIN_STAGES), L, -(-L // JOIN_STAGES)))
+        stage = math.ceil(L / JOIN_STAGES)
+        bounds |= set(range(stage, L, stage))
     bounds = sorted(bounds)
     dev = rt.device
     parts = list(parts)
