@@ -194,12 +194,11 @@ async def sweep(args, url: str, model_name: str, refs: dict[str, str]) -> list[d
                 t0 = time.perf_counter()
                 results = [x for xs in await asyncio.gather(*(one_client(i) for i in range(n))) for x in xs]
                 wall = time.perf_counter() - t0
+                ttfts = [r["ttft"] for r in results]
                 run = {"strategy": strategy, "clients": n, "requests": len(results), "wall_s": wall,
-                       "tok_s": sum(r["tokens"] for r in results) / wall, "ttfts_s": [r["ttft"] for r in results],
-                       "ttft_p50_s": pct([r["ttft"] for r in results], 0.5),
+                       "tok_s": sum(r["tokens"] for r in results) / wall, "ttfts_s": ttfts, "ttft_p50_s": pct(ttfts, 0.5),
                        "longest_stall_s": max(r["gap"] for r in results),
-                       "ttft_p50_by_round_s": [pct([x["ttft"] for k, x in enumerate(results) if k % args.rounds == r], 0.5)
-                                               for r in range(args.rounds)],
+                       "ttft_p50_by_round_s": [pct(ttfts[r :: args.rounds], 0.5) for r in range(args.rounds)],
                        "identical": sum(r["text"] == refs[p] for r, p in zip(results, prompts)),
                        "mismatches": [mismatch(PROMPTS.index(p), r["text"], refs[p]) for r, p in zip(results, prompts) if r["text"] != refs[p]]}
                 for m in run["mismatches"]:

@@ -115,8 +115,8 @@ class Runtime:
         self.min_rows = 2 if self.device.type == "cpu" else 2 * MAX_SPECULATIONS
         self._mm = _kernel_mm if self.uses_kernels else functools.partial(_torch_mm, min_rows=self.min_rows)
         amx = self.uses_kernels and dtype == torch.bfloat16 and kernels.amx()  # not the head: see the kernels' doc
-        self.numerics = (f"{self.device.type}-torch" if not self.uses_kernels else "cpu-amx" if amx else  # the arithmetic: equal
-                         "cpu-bf16pairs" if dtype == torch.bfloat16 and kernels.has_pairs() else "cpu-fma")  # numerics, equal bits
+        pairs = dtype == torch.bfloat16 and kernels.has_pairs()  # the arithmetic's name: equal names, equal bits
+        self.numerics = f"{self.device.type}-torch" if not self.uses_kernels else "cpu-amx" if amx else "cpu-bf16pairs" if pairs else "cpu-fma"
         if self.uses_kernels:  # 64-column tiles, bf16 pairs where the CPU has them, the layers on AMX tiles where it has those
             self.layers = [{k: kernels.pack(w, amx=amx) if k in _MATRICES else w for k, w in L.items()} for L in self.layers]
         rows = weights["head"]  # [V, H]
