@@ -9,11 +9,13 @@ fused, pre-transposed layout.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from selfspec.errors import SelfSpecError
+from selfspec.kernels.weights import chunk_rows
 
 # model_type -> family switches that are not in the config itself.
 _FAMILIES: dict[str, dict] = {
@@ -151,47 +153,87 @@ def rotary_tables(config, spec: ModelSpec, length: int) -> dict[str, tuple[torch
     return tables
 
 
-def strip_prefix(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = {}
-    for k, v in sd.items():
-        for prefix in ("model.language_model.", "language_model.model.", "model."):
-            if k.startswith(prefix):
-                k = "model." + k[len(prefix):]
-                break
-        out[k] = v
+def _stripped(name: str) -> str:
+    for prefix in ("model.language_model.", "language_model.model.", "model."):
+        if name.startswith(prefix):
+            return "model." + name[len(prefix):]
+    return name
+
+
+def strip_prefix(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {_stripped(k): v for k, v in sd.items()}
+
+
+def _plain_matrix(dtype: torch.dtype, device):
+    """The torch path's layout of a fused matrix: one [in, sum(out_i)] tensor on `device` (see
+    runtime.py), filled a chunk of rows at a time (no second copy of a part, on any device)."""
+    def make(parts) -> torch.Tensor:
+        out = torch.empty(int(parts[0].shape[1]), sum(int(p.shape[0]) for p in parts), dtype=dtype, device=device)
+        col = 0
+        step = chunk_rows(4 * out.shape[0])
+        for p in parts:
+            for r0 in range(0, int(p.shape[0]), step):
+                rows = p[r0:r0 + step].to(device=device, dtype=dtype)
+                out[:, col:col + rows.shape[0]] = rows.t()
+                col += rows.shape[0]
+        return out
+    return make
+
+
+def _rows_copy(src, dtype: torch.dtype, device) -> torch.Tensor:
+    """A copy of a row source in dtype on device, made a chunk of rows at a time."""
+    out = torch.empty(*src.shape, dtype=dtype, device=device)
+    step = chunk_rows(4 * out.shape[1])
+    for r0 in range(0, int(src.shape[0]), step):
+        out[r0:r0 + step] = src[r0:r0 + step]
     return out
 
 
-def weights_from_state_dict(spec: ModelSpec, sd: dict[str, torch.Tensor], dtype: torch.dtype, device) -> dict:
+def weights_from_state_dict(spec: ModelSpec, sd: Mapping[str, torch.Tensor], dtype: torch.dtype, device,
+                            matrix=None, head_matrix=None) -> dict:
     """HF names -> runtime layout: linear weights transposed to [in, out] (see runtime.py
-    for why), q|k|v and gate|up fused into one matrix each (one matmul instead of 3 / 2)."""
-    sd = strip_prefix(sd)
+    for why), q|k|v and gate|up fused into one matrix each (one matmul instead of 3 / 2).
+
+    sd may read tensors on demand (loading.Checkpoint): each is read when its matrix is made
+    and dropped after. matrix(parts) lays out one fused matrix from HF's [out_i, in] parts
+    (row sources; default: a plain transposed tensor on `device`; the CPU kernels pass
+    kernels.pack_parts, which writes their tiles chunk by chunk). The LM head is such a matrix
+    too ([H, V]: its rows are the vocabulary), laid out by head_matrix (default: matrix), so
+    the largest tensor never has a second copy either."""
+    names = {_stripped(k): k for k in sd}
+    lazy = getattr(sd, "lazy", None)
+    matrix = matrix or _plain_matrix(dtype, device)
+    head_matrix = head_matrix or matrix
+
+    def key(name: str) -> str:
+        if name not in names:
+            raise SelfSpecError(f"checkpoint is missing tensor {name!r}")
+        return names[name]
 
     def get(name: str) -> torch.Tensor:
-        if name not in sd:
-            raise SelfSpecError(f"checkpoint is missing tensor {name!r}")
-        return sd[name]
+        return sd[key(name)]
 
-    def t(*ws: torch.Tensor) -> torch.Tensor:
-        """[out_i, in] each -> one [in, sum(out_i)] matrix, converted and transposed in one pass."""
-        return torch.cat([w.to(device=device, dtype=dtype).t() for w in ws], dim=1).contiguous()
+    def rows(name: str):
+        """A row source for the tensor: read a chunk at a time where sd can (a Checkpoint)."""
+        return lazy(key(name)) if lazy is not None else sd[key(name)]
 
     def vec(w: torch.Tensor, norm: bool = False) -> torch.Tensor:
         # Norm weights stay fp32 (both families normalise in fp32); Gemma's (1 + w) is folded in.
+        # A copy always: what sd gives may be a view of a file, or the user's own parameter.
         if norm:
             w = w.float() + (1.0 if spec.norm == "gemma" else 0.0)
             return w.to(device)
-        return w.to(device=device, dtype=dtype)
+        return w.to(device=device, dtype=dtype, copy=True)
 
     layers = []
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."
         layer = {
-            "wqkv": t(get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")),
-            "wo": t(get(a + "o_proj.weight")),
-            "w_gate_up": t(get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")),
-            "w_down": t(get(p + "mlp.down_proj.weight")),
+            "wqkv": matrix([rows(a + "q_proj.weight"), rows(a + "k_proj.weight"), rows(a + "v_proj.weight")]),
+            "wo": matrix([rows(a + "o_proj.weight")]),
+            "w_gate_up": matrix([rows(p + "mlp.gate_proj.weight"), rows(p + "mlp.up_proj.weight")]),
+            "w_down": matrix([rows(p + "mlp.down_proj.weight")]),
             "attn_norm": vec(get(p + "input_layernorm.weight"), norm=True),
         }
         if spec.qkv_bias:
@@ -211,13 +253,12 @@ def weights_from_state_dict(spec: ModelSpec, sd: dict[str, torch.Tensor], dtype:
         else:
             layer["mlp_norm"] = vec(get(p + "post_attention_layernorm.weight"), norm=True)
         layers.append(layer)
-    embed = get("model.embed_tokens.weight")
-    head = embed if spec.tie_embeddings or "lm_head.weight" not in sd else sd["lm_head.weight"]
+    tied = spec.tie_embeddings or "lm_head.weight" not in names
     out = {
         "layers": layers,
         "final_norm": vec(get("model.norm.weight"), norm=True),
-        "head": head.to(device=device, dtype=dtype).contiguous(),  # [V, H]: the runtime lays it out
+        "head": head_matrix([rows("model.embed_tokens.weight" if tied else "lm_head.weight")]),  # [H, V]
     }
     # Tied models embed by gathering columns of the head: no second copy of the largest matrix.
-    out["embed"] = None if head is embed else embed.to(device=device, dtype=dtype).contiguous()
+    out["embed"] = None if tied else _rows_copy(rows("model.embed_tokens.weight"), dtype, device)  # [V, H]
     return out

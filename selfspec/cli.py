@@ -12,6 +12,7 @@ import json
 import os
 import sys
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -31,7 +32,9 @@ from selfspec.cli_args import (
 )
 from selfspec.config import GenerationConfig, SamplingConfig
 from selfspec.errors import SelfSpecError
-from selfspec.loading import ALIASES, DEFAULT_MODEL
+from selfspec import hub
+from selfspec.loading import ALIASES, DEFAULT_MODEL, available_memory
+from selfspec.profiles import builtin_profiles
 from selfspec.search import cli as search_cli
 from selfspec.server import cli as server_cli
 from selfspec.tools import cli as tools_cli
@@ -96,15 +99,36 @@ def cmd_generate(args) -> int:
 
 
 def cmd_models(args) -> int:
+    c = Console()
     t = Table(title="Built-in models")
     t.add_column("alias")
     t.add_column("what")
     for k, v in ALIASES.items():
         t.add_row(k + (" (default)" if k == DEFAULT_MODEL else ""), v)
-    c = Console()
     c.print(t)
+    have = available_memory("cpu")
+    t = Table(title="Published checkpoints with a built-in profile", box=box.SIMPLE_HEAD, pad_edge=False)
+    t.add_column("Hub id", no_wrap=True)
+    t.add_column("bf16 weights", justify="right", no_wrap=True)
+    t.add_column("cached", no_wrap=True)
+    t.add_column("auto drafts with", no_wrap=True)
+    too_big = False
+    for prof in builtin_profiles():
+        rid, m, d = prof.model_ids[0], prof.model, prof.draft
+        need = int(m.get("params", 0)) * 2
+        big = have is not None and need > have
+        too_big |= big
+        cached = hub.cached_bytes(rid)
+        t.add_row(rid, f"{m.get('params', 0) / 1e9:.1f}B {need / 1e9:.1f} GB" + ("*" if big else ""),
+                  f"{cached / 1e9:.1f} GB" if cached else "no",
+                  f"exit {d.exit_layer}/{m.get('num_layers', '?')}, K={d.num_speculations}" if d.strategy == "early-exit" else d.label())
+    c.print(t)
+    c.print("LayerSkip checkpoints are gated: accept the license on the model's Hub page, then `hf auth login`." +
+            (f" *: more than the {have / 1e9:.1f} GB of memory available here." if too_big else ""))
     c.print("Supported architectures (model_type): " + ", ".join(SUPPORTED_ARCHITECTURES))
-    c.print("Any Hugging Face directory (config.json + *.safetensors) or .gguf file of these loads with --model PATH.")
+    c.print("--model takes any Hugging Face directory (config.json + *.safetensors), a .gguf file, or a Hub id "
+            "(org/name, org/name@revision, org/name:file.gguf), downloaded into the Hub cache "
+            f"({hub.cache_dir()}; HF_HUB_OFFLINE=1 uses only what is there).")
     return 0
 
 
@@ -125,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "and the tokens it computed itself in bold (default: plain)")
     g.set_defaults(func=cmd_generate)
 
-    m = sub.add_parser("models", help="list built-in aliases and supported architectures")
+    m = sub.add_parser("models", help="list built-in aliases, the checkpoints with built-in profiles, and supported architectures")
     m.set_defaults(func=cmd_models)
 
     for module in COMMAND_MODULES:

@@ -117,7 +117,11 @@ def config_kwargs(args, cls) -> dict:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="gemma-3-270m", help="alias, HF model directory, or .gguf file (default: gemma-3-270m)")
+    p.add_argument("--model", default="gemma-3-270m",
+                   help="a built-in alias, a HF model directory, a .gguf file, or a Hugging Face Hub id: org/name, "
+                        "org/name@revision, org/name:file.gguf (default: gemma-3-270m)")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="accept pickled .bin weights where a model has no safetensors (unpickling can run code)")
     p.add_argument("--dtype", type=choice(("float32", "bfloat16"), "dtype"), default=None,
                    help="float32 or bfloat16 (default: bfloat16 where supported)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -135,7 +139,8 @@ def add_draft_args(p: argparse.ArgumentParser) -> None:
 
 
 def load_model(args):
-    return load(args.model, dtype=args.dtype, device=args.device, chat_template=getattr(args, "chat_template", None))
+    return load(args.model, dtype=args.dtype, device=args.device, chat_template=getattr(args, "chat_template", None),
+                allow_pickle=bool(getattr(args, "allow_pickle", False)))
 
 
 def check_before_loading(args) -> None:

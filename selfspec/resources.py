@@ -50,10 +50,11 @@ def _lru_get(cache: OrderedDict, key, make, limit: int):
 
 
 class DraftResources:
-    def __init__(self, runtime: Runtime, fingerprint: str, tokenizer=None):
+    def __init__(self, runtime: Runtime, fingerprint: str, tokenizer=None, repo_id: str | None = None):
         self.runtime = runtime
         self.spec = runtime.spec
         self.fingerprint = fingerprint
+        self.repo_id = repo_id  # the Hub repo the model came from: its built-in profile (profiles.installed_profile)
         self.tokenizer = tokenizer
         self._token_order: torch.Tensor | None = None
         self._heads: OrderedDict = OrderedDict()

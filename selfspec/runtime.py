@@ -83,12 +83,10 @@ def _kernel_mm(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tenso
     return y if b is None else y + b
 
 
-def _nbytes(w) -> int:
-    """Bytes of a weight in any of its stored forms (tensor, PackedWeight, QuantizedWeight)."""
-    if isinstance(w, kernels.QuantizedWeight):
-        return w.nbytes
-    t = w.data if isinstance(w, kernels.PackedWeight) else w
-    return t.numel() * t.element_size()
+def _layout(dtype: torch.dtype, device: torch.device) -> tuple[bool, bool]:
+    """(on our CPU kernels, the layer matrices on AMX tiles): one choice per runtime."""
+    uses = device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and kernels.available()
+    return uses, uses and dtype == torch.bfloat16 and kernels.amx()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -108,19 +106,15 @@ class Runtime:
         self.embed_weight: torch.Tensor | None = weights["embed"]  # [V, H] if untied
         self.hf_config = hf_config
         # The CPU goes through our kernels when they compiled here; CUDA through torch (one choice per runtime)
-        self.uses_kernels = self.device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and kernels.available()
+        self.uses_kernels, amx = _layout(dtype, self.device)
         if self.device.type == "cpu" and not self.uses_kernels:
             _warn_no_kernels(self.kernels_missing())
         # Row padding: CPU BLAS agrees for any >= 2 rows; cuBLAS picks kernels by shape (static shapes on CUDA)
         self.min_rows = 2 if self.device.type == "cpu" else 2 * MAX_SPECULATIONS
         self._mm = _kernel_mm if self.uses_kernels else functools.partial(_torch_mm, min_rows=self.min_rows)
-        amx = self.uses_kernels and dtype == torch.bfloat16 and kernels.amx()  # not the head: see the kernels' doc
         pairs = dtype == torch.bfloat16 and kernels.has_pairs()  # the arithmetic's name: equal names, equal bits
         self.numerics = f"{self.device.type}-torch" if not self.uses_kernels else "cpu-amx" if amx else "cpu-bf16pairs" if pairs else "cpu-fma"
-        if self.uses_kernels:  # 64-column tiles, bf16 pairs where the CPU has them, the layers on AMX tiles where it has those
-            self.layers = [{k: kernels.pack(w, amx=amx) if k in _MATRICES else w for k, w in L.items()} for L in self.layers]
-        rows = weights["head"]  # [V, H]
-        self.head = kernels.pack_rows(rows) if self.uses_kernels else rows.t().contiguous()  # [H, V]
+        self.head = weights["head"]  # [H, V]; the matrices come laid out for self._mm (from_state_dict)
         self._rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._rope_len = 0
         self._layer_table = self._step = None  # _layer_arrays' C arrays, step_token's kernels.StepArgmax: on first use
@@ -153,8 +147,13 @@ class Runtime:
             self.forward(ids[:1], 2, cache)
 
     @classmethod
-    def from_state_dict(cls, spec: ModelSpec, state_dict: dict, hf_config, dtype=torch.float32, device="cpu"):
-        weights = weights_from_state_dict(spec, state_dict, dtype, device)
+    def from_state_dict(cls, spec: ModelSpec, state_dict, hf_config, dtype=torch.float32, device="cpu"):
+        """From a state dict or a loading.Checkpoint: each matrix goes straight into the layout
+        self._mm reads (no second copy of the weights): on the kernels 64-column tiles, bf16 pairs
+        where the CPU has them, the layers (not the head: kernels' doc) on AMX tiles if it has those."""
+        uses_kernels, amx = _layout(dtype, torch.device(device))
+        pack = functools.partial(kernels.pack_parts, dtype=dtype) if uses_kernels else None
+        weights = weights_from_state_dict(spec, state_dict, dtype, device, pack and functools.partial(pack, amx=amx), pack)
         return cls(spec, weights, hf_config, dtype, torch.device(device))
 
     @property
@@ -192,7 +191,7 @@ class Runtime:
 
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step reads (layers + LM head; the embedding is a gather)."""
-        return sum(_nbytes(t) for L in self.layers for t in L.values()) + _nbytes(self.head) + _nbytes(self.final_norm)
+        return sum(kernels.nbytes(t) for L in self.layers for t in L.values()) + kernels.nbytes(self.head) + kernels.nbytes(self.final_norm)
 
     def kernels_missing(self) -> str:
         """Why this runtime does not run on selfspec's kernels, in words (for one-line errors)."""

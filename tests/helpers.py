@@ -221,3 +221,67 @@ def load_tiny(arch: str, seed: int = 0, dtype: str = "float32", tokenizer=None, 
     """(hf_model, selfspec_model) for a tiny model of `arch`."""
     hf = build_hf(arch, seed, **config_kw)
     return hf, selfspec.load(hf, dtype=dtype, tokenizer=tokenizer)
+
+
+# ---- checkpoints on disk -------------------------------------------------------------------
+
+
+def write_llama_checkpoint(path, *, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int,
+                           tied: bool, dtype=torch.bfloat16, shard_bytes: int = 2 << 30, seed: int = 0, max_pos: int = 4096):
+    """A random-weight Llama checkpoint written as transformers writes one (config.json,
+    safetensors shards of at most shard_bytes with model.safetensors.index.json), one tensor
+    shard in memory at a time: checkpoints near the machine's memory can be made. Returns
+    the bytes of its weights."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    head_dim = hidden // heads
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
+                      tie_word_embeddings=tied, rms_norm_eps=1e-5, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg.save_pretrained(path)
+    shapes = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (heads * head_dim, hidden), p + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+                       p + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden), p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+                       p + "mlp.gate_proj.weight": (intermediate, hidden), p + "mlp.up_proj.weight": (intermediate, hidden),
+                       p + "mlp.down_proj.weight": (hidden, intermediate), p + "input_layernorm.weight": (hidden,),
+                       p + "post_attention_layernorm.weight": (hidden,)})
+    shapes["model.norm.weight"] = (hidden,)
+    if not tied:
+        shapes["lm_head.weight"] = (vocab, hidden)
+    g = torch.Generator().manual_seed(seed)
+    size = torch.empty(0, dtype=dtype).element_size()
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, shape in shapes.items():
+        n = size * int(torch.tensor(shape).prod())
+        if shards[-1] and used + n > shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += n
+    weight_map, total = {}, 0
+    for s, names in enumerate(shards):
+        fname = f"model-{s + 1:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1 else "model.safetensors"
+        tensors = {}
+        for name in names:
+            shape = shapes[name]
+            if len(shape) == 1:  # norms near 1, as trained models have them
+                t = 1.0 + 0.1 * torch.randn(shape, generator=g)
+            else:  # scaled so activations neither vanish nor blow up through the layers
+                t = torch.randn(shape, generator=g) * shape[1] ** -0.5
+            tensors[name] = t.to(dtype)
+            weight_map[name] = fname
+            total += tensors[name].numel() * size
+        save_file(tensors, str(path / fname), metadata={"format": "pt"})
+        del tensors
+    if len(shards) > 1:
+        (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    return total

@@ -111,7 +111,7 @@ def build_auto(cfg: DraftConfig, res: DraftResources, eos_ids: tuple[int, ...] =
     rt = res.runtime
     base_cfg, source, prior = cfg.base, "given", None
     if base_cfg is None:
-        prof = installed_profile(res.fingerprint, shared=True)
+        prof = installed_profile(res.fingerprint, shared=True, repo_id=res.repo_id)
         if prof is not None and not runs_here(prof.draft, rt):
             if res.fingerprint not in _noted_unrunnable:  # once per model and process
                 _noted_unrunnable.add(res.fingerprint)

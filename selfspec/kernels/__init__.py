@@ -64,8 +64,8 @@ from selfspec.kernels.build import _cpu_flags, amx, available, build_id, has_pai
 from selfspec.kernels.gemm import _reference_fp32, _reference_pairs, matmul, supports
 from selfspec.kernels.sampling import sampling_functions
 from selfspec.kernels.pool import compute_scope, threads
-from selfspec.kernels.weights import PackedWeight, QuantizedWeight, _qgemm_ref, pack, pack_rows, quant_errors
+from selfspec.kernels.weights import PackedWeight, QuantizedWeight, _qgemm_ref, chunk_rows, nbytes, pack, pack_parts, pack_rows, quant_errors
 
-__all__ = ["available", "amx", "has_pairs", "supports", "matmul", "pack", "pack_rows", "PackedWeight", "FusedBlocks", "StepArgmax", "rope_rows", "norm_rows",
+__all__ = ["available", "amx", "has_pairs", "supports", "matmul", "chunk_rows", "nbytes", "pack", "pack_parts", "pack_rows", "PackedWeight", "FusedBlocks", "StepArgmax", "rope_rows", "norm_rows",
            "softcap_", "QuantizedWeight", "quant_errors", "sampling_functions", "build_id", "load_error", "threads",
            "compute_scope"]

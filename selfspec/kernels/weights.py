@@ -113,6 +113,14 @@ class QuantizedWeight:
         return f"QuantizedWeight(shape={tuple(self.shape)}, bits={self.bits}, group={self.group})"
 
 
+def nbytes(w) -> int:
+    """Bytes of a weight in any of its stored forms (tensor, PackedWeight with its padding, QuantizedWeight)."""
+    if isinstance(w, QuantizedWeight):
+        return w.nbytes
+    t = w.data if isinstance(w, PackedWeight) else w
+    return t.numel() * t.element_size()
+
+
 def _qgemm_ref(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     """Scalar C reference of the quantized chains (fp32 x and out); tests only."""
     build._load()
@@ -168,6 +176,59 @@ def pack(w: torch.Tensor, pairs: bool | None = None, amx: bool = False) -> Packe
             data = padded.view(kp // 2, 2, nb, build._TILE).permute(2, 0, 3, 1).contiguous()
         else:
             data = padded.view(k, nb, build._TILE).permute(1, 0, 2).contiguous()
+    return PackedWeight(data, k, n, pairs, amx and pairs)
+
+
+CHUNK_BYTES = 8 << 20  # a part is read, cast and placed this many bytes of rows at a time (a multiple of 64 rows)
+
+
+def chunk_rows(row_bytes: int) -> int:
+    """Rows per chunk: about CHUNK_BYTES, whole 64-row tiles (the fast path of pack_parts)."""
+    return max(build._TILE, CHUNK_BYTES // max(1, row_bytes) // build._TILE * build._TILE)
+
+
+def pack_parts(parts, dtype: torch.dtype, pairs: bool | None = None, amx: bool = False) -> PackedWeight:
+    """pack(torch.cat(parts).t().to(dtype)) without the concatenation, the transpose or a full
+    copy of any part: parts are [N_i, K] row sources (a tensor, or anything with .shape and
+    row slicing, e.g. a checkpoint tensor read lazily), HF's [out, in] layout; the fused
+    matrix's column n is row n of the stacked parts. Each part is read _CHUNK_ROWS rows at a
+    time and written straight into its tiles, so loading a model never holds a second copy of
+    a weight (the same bits as pack: each element is placed, not computed)."""
+    k = int(parts[0].shape[1])
+    if any(int(p.shape[1]) != k for p in parts):
+        raise ValueError("pack_parts: parts must share their row length K")
+    if dtype not in build._DTYPES:
+        raise ValueError(f"pack_parts: unsupported weight dtype {dtype}")
+    if pairs is None:
+        pairs = dtype == torch.bfloat16 and has_pairs()
+    if pairs and dtype != torch.bfloat16:
+        raise ValueError("pack_parts: the pair layout needs bf16 weights")
+    if amx and not build.amx():
+        raise ValueError("pack_parts: no AMX pair path here (kernels.amx() is False)")
+    n = sum(int(p.shape[0]) for p in parts)
+    nb, kp, tile = -(-n // build._TILE), k + (k % 2 if pairs else 0), build._TILE
+    padded = n % tile != 0 or kp != k
+    alloc = torch.zeros if padded else torch.empty
+    # lanes[t, j] is the k-stream of column 64 t + j: [K2, 2] (pairs) or [K] (strided views of data)
+    data = alloc(nb, kp // 2, tile, 2, dtype=dtype) if pairs else alloc(nb, k, tile, dtype=dtype)
+    lanes = data.permute(0, 2, 1, 3) if pairs else data.permute(0, 2, 1)
+    g, step = 0, chunk_rows(4 * k)  # g: the fused matrix's column of the next row; step: rows of up to fp32 in flight
+    with torch.no_grad():
+        for part in parts:
+            rows_total = int(part.shape[0])
+            for r0 in range(0, rows_total, step):
+                rows = part[r0:min(rows_total, r0 + step)].to(dtype)  # [m, K]
+                m = rows.shape[0]
+                if pairs:
+                    if kp != k:
+                        rows = torch.cat([rows, rows.new_zeros(m, 1)], 1)
+                    rows = rows.reshape(m, kp // 2, 2)
+                if g % tile == 0 and m % tile == 0:  # whole tiles: one strided copy
+                    lanes[g // tile:(g + m) // tile] = rows.reshape(m // tile, tile, *rows.shape[1:])
+                else:
+                    idx = torch.arange(g, g + m)
+                    lanes[idx // tile, idx % tile] = rows
+                g += m
     return PackedWeight(data, k, n, pairs, amx and pairs)
 
 

@@ -82,6 +82,8 @@ def _worker_command(args, cfg, storage: str, study_name: str, index: int) -> lis
         cmd += ["--dtype", args.dtype]
     if args.device:
         cmd += ["--device", args.device]
+    if args.allow_pickle:
+        cmd += ["--allow-pickle"]
     if cfg.adapter:
         cmd += ["--adapter", cfg.adapter]
     if not cfg.thresholds:

@@ -71,10 +71,10 @@ def _replica_class():
         """One model + one engine thread; the ASGI app is create_app's."""
 
         def __init__(self, model: str, dtype=None, device=None, profile=None, draft_options=None, settings=None, threads=None,
-                     warmup: bool = True, chat_template: str | None = None):
+                     warmup: bool = True, chat_template: str | None = None, allow_pickle: bool = False):
             if threads:
                 torch.set_num_threads(int(threads))
-            self.model = selfspec.load(model, dtype=dtype, device=device, chat_template=chat_template)
+            self.model = selfspec.load(model, dtype=dtype, device=device, chat_template=chat_template, allow_pickle=allow_pickle)
             self.draft = self.model.draft_config(profile=profile, **(draft_options or {}))
             self.draft.check_model(self.model.runtime.num_layers, self.model.spec.vocab_size)
             s = dict(settings or {})
@@ -91,7 +91,7 @@ def _replica_class():
 
 
 # The builder's own arguments; DraftConfig fields are typed by DraftConfig itself.
-_BUILD_ARG_TYPES = {"replicas": int, "threads": int | None, "num_cpus": float | None, "warmup": bool}
+_BUILD_ARG_TYPES = {"replicas": int, "threads": int | None, "num_cpus": float | None, "warmup": bool, "allow_pickle": bool}
 
 
 def _coerce(key: str, value):
@@ -106,7 +106,7 @@ def build_app(args: dict):
 
     model (required), dtype, device, profile, chat_template, strategy and any DraftConfig field
     (or a `draft` dict), replicas (1), num_cpus (per replica), threads (torch threads per replica),
-    settings (a dict of ServerSettings fields), warmup (True)."""
+    settings (a dict of ServerSettings fields), warmup (True), allow_pickle (False)."""
     from ray import serve  # optional dependency (see _replica_class)
 
     args = {k: _coerce(k, v) for k, v in dict(args).items()}
@@ -146,7 +146,7 @@ def build_app(args: dict):
         graceful_shutdown_timeout_s=5,
     )
     return deployment.bind(model, args.get("dtype"), args.get("device"), profile, draft_options, settings, threads,
-                           bool(args.get("warmup", True)), chat_template)
+                           bool(args.get("warmup", True)), chat_template, bool(args.get("allow_pickle", False)))
 
 
 def serve_with_ray(args, settings) -> int:
@@ -161,7 +161,7 @@ def serve_with_ray(args, settings) -> int:
     s.pop("replica_id", None)
     app_args = {"model": args.model, "dtype": args.dtype, "device": args.device, "profile": args.profile,
                 "draft": draft_options, "replicas": args.replicas, "num_cpus": args.replica_cpus, "settings": s,
-                "threads": args.threads, "chat_template": args.chat_template,
+                "threads": args.threads, "chat_template": args.chat_template, "allow_pickle": bool(args.allow_pickle),
                 "warmup": not args.no_warmup}
     if args.ray_address:
         ray.init(address=args.ray_address, include_dashboard=False, logging_level="warning")

@@ -1,0 +1,172 @@
+"""Models at size on this machine: random-weight Llama checkpoints of the 1B, 3B and 7B shapes
+(Llama 3.2 1B = layerskip-llama3.2-1B, Llama 3.2 3B, Llama 2 7B = layerskip-llama2-7B) written
+as bf16 safetensors shards (no Hub needed), each measured in a fresh process:
+
+  * load: seconds of `selfspec.load`, and peak RSS over its window (minus the process's RSS
+    before it) against the weights' bytes in the runtime dtype; the greedy head's int8 screen
+    (made at load) is counted and shown apart;
+  * autoregressive greedy tok/s, and its decode step against the memory floor: the bytes one
+    step reads (the layer matrices and, greedy, the int8 screen of the head plus its few exact
+    columns) at the machine's read bandwidth (a 1 GB tensor summed in the same process, best of
+    samples taken between the runs: on a shared VM it drifts);
+  * early exit E=4 K=4: seconds per draft token over seconds per autoregressive step, beside
+    LayerSkip's arithmetic (the bytes of E layers plus the draft head over a step's bytes).
+    Random weights: drafts are rejected, which changes nothing about what a draft costs.
+
+    python benchmarks/big_models.py                       # 1B, 3B, 7B (7B: 13.5 GB of disk, ~15 GB of memory)
+    python benchmarks/big_models.py --sizes 1B --tokens 64 --out results/big_models.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT.parent / "tests"))
+
+SHAPES = {  # the published models' shapes
+    "1B": dict(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, vocab=128256, tied=True),
+    "3B": dict(hidden=3072, intermediate=8192, layers=28, heads=24, kv_heads=8, vocab=128256, tied=True),
+    "7B": dict(hidden=4096, intermediate=11008, layers=32, heads=32, kv_heads=32, vocab=32000, tied=False),
+}
+
+
+def _status(key: str) -> int:
+    return next(int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(key))
+
+
+def _read_gbs(x, repeats: int = 5) -> float:
+    """GB/s of summing x (bytes read per second), best of a few."""
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * x.element_size() / best / 1e9
+
+
+def _reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def child(path: str, tokens: int, exit_layer: int, k: int) -> dict:
+    """One checkpoint, measured in this (fresh) process."""
+    import torch
+
+    import selfspec
+    import transformers.models.llama.modeling_llama  # noqa: F401  (imports outside the measured window)
+    from selfspec import kernels
+    from selfspec.greedy_head import screened_head
+
+    kernels.available()
+    probe = torch.ones(2**28, dtype=torch.float32)  # 1 GB, allocated before the measured window
+    bandwidths = [_read_gbs(probe)]  # the machine's bandwidth drifts (a shared VM): sampled between the runs
+    _reset_peak()
+    base = _status("VmRSS:")
+    t = time.perf_counter()
+    m = selfspec.load(path, dtype="bfloat16")
+    load_s = time.perf_counter() - t
+    peak_load, after_load = _status("VmHWM:") - base, _status("VmRSS:") - base
+    rt = m.runtime
+    layers = sum(kernels.nbytes(w) for L in rt.layers for w in L.values())
+    head = kernels.nbytes(rt.head)
+    embed = 0 if rt.embed_weight is None else kernels.nbytes(rt.embed_weight)
+    screen = screened_head(rt)
+    screen_bytes = screen.nbytes if screen is not None else 0
+    weights = layers + head + embed
+    step_bytes = layers + (screen_bytes if screen is not None else head)
+    prompt = torch.randint(0, rt.spec.vocab_size, (32,), generator=torch.Generator().manual_seed(0)).tolist()
+    _reset_peak()
+    m.generate(prompt, max_new_tokens=4, strategy="autoregressive")  # warm
+    runs = []
+    for _ in range(3):
+        runs.append(m.generate(prompt, max_new_tokens=tokens, strategy="autoregressive"))
+        bandwidths.append(_read_gbs(probe))
+    bandwidth = max(bandwidths)
+    ar = sorted(runs, key=lambda r: r.stats.tokens_per_second)[1]  # the median run
+    ar_step = (ar.stats.time_s - ar.stats.time_prefill_s) / max(1, ar.stats.new_tokens - 1)
+    ee = m.generate(prompt, max_new_tokens=tokens, strategy="early-exit", exit_layer=exit_layer, num_speculations=k)
+    assert ee.token_ids == ar.token_ids, "early exit changed the output"
+    s = ee.stats
+    draft_token = s.time_draft_s / max(1, s.drafted)
+    L = rt.spec.num_layers
+    return {
+        "path": path, "layers": L, "vocab": rt.spec.vocab_size, "read_bandwidth_gbs": bandwidth, "bandwidth_samples": bandwidths,
+        "load_s": load_s, "weights_bytes": weights, "layers_bytes": layers, "head_bytes": head, "embed_bytes": embed,
+        "screen_bytes": screen_bytes, "peak_load_bytes": peak_load, "rss_after_load_bytes": after_load,
+        "peak_decode_bytes": _status("VmHWM:") - base,
+        "ar_tokens_per_second": ar.stats.tokens_per_second, "ar_step_s": ar_step, "step_bytes": step_bytes,
+        "ar_step_gbs": step_bytes / ar_step / 1e9,
+        "floor_tokens_per_second": bandwidth * 1e9 / step_bytes,
+        "ee_draft_token_s": draft_token, "ee_verify_step_s": s.time_verify_s / max(1, s.verify_steps),
+        "ee_acceptance": s.acceptance_rate, "ee_tokens_per_second": s.tokens_per_second,
+        # LayerSkip's arithmetic: E of L layers, then the head (the drafter reads the full bf16 head)
+        "ee_predicted_c": (layers * exit_layer / L + head) / step_bytes,
+        "exit_layer": exit_layer, "k": k,
+    }
+
+
+def make(size: str, root: Path) -> Path:
+    import helpers
+
+    d = root / f"llama-{size}"
+    if not (d / "config.json").exists() or not list(d.glob("*.safetensors")):
+        t = time.perf_counter()
+        n = helpers.write_llama_checkpoint(d, **SHAPES[size], shard_bytes=2 << 30)
+        print(f"wrote {d} ({n / 1e9:.1f} GB) in {time.perf_counter() - t:.0f} s", flush=True)
+    return d
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1B,3B,7B")
+    ap.add_argument("--dir", default=os.path.join(os.path.expanduser("~"), ".cache", "selfspec", "bench-checkpoints"),
+                    help="where the generated checkpoints are kept (reused across runs)")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--exit-layer", type=int, default=4)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--out", default="results/big_models.json")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.tokens, args.exit_layer, args.k)))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    from common import machine
+
+    rows = []
+    for size in args.sizes.split(","):
+        d = make(size, Path(args.dir))
+        out = subprocess.run([sys.executable, __file__, "--child", str(d), "--tokens", str(args.tokens),
+                              "--exit-layer", str(args.exit_layer), "--k", str(args.k)], capture_output=True, text=True)
+        if out.returncode:
+            sys.exit(f"{size}: the measurement failed:\n{out.stderr[-3000:]}")
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        rows.append({"size": size, **r})
+        print(f"{size}: {json.dumps(r)}", flush=True)
+    t = Table(title=f"Models at size ({machine()}; bf16)")
+    for c in ("shape", "weights", "load", "peak RSS / weights", "(of it int8 screen)", "AR tok/s", "step vs floor",
+              f"E={args.exit_layer} draft / step", "predicted"):
+        t.add_column(c, justify="right")
+    for r in rows:
+        w = r["weights_bytes"]
+        t.add_row(r["size"], f"{w / 1e9:.2f} GB", f"{r['load_s']:.1f} s", f"{r['peak_load_bytes'] / w:.3f}x",
+                  f"{r['screen_bytes'] / w:.1%}", f"{r['ar_tokens_per_second']:.2f}",
+                  f"{1 / r['ar_step_s'] / r['floor_tokens_per_second']:.0%}",
+                  f"{r['ee_draft_token_s'] / r['ar_step_s']:.3f}", f"{r['ee_predicted_c']:.3f}")
+    Console().print(t)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
