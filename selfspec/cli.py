@@ -85,6 +85,7 @@ def cmd_generate(args) -> int:
     if args.json:
         out = result.to_dict()
         out["strategy"] = draft.to_dict()
+        out["memory"] = model.memory()
         print(json.dumps(out))
     else:
         if on_event is None:

@@ -239,6 +239,16 @@ class SelfSpecModel:
         if installed_profile(self.fingerprint, repo_id=self.repo_id) is not None:
             self.drafter(self.draft_config())
 
+    def memory(self) -> dict[str, int]:
+        """Bytes the model holds, by what: its weights as the runtime lays them out (64-column
+        tiles, so a little padding; an untied embedding), the greedy head's int8 screen
+        (greedy_head.py, made at load where it applies), and what drafters have made."""
+        rt = self.runtime
+        screen = screened_head(rt)
+        embed = 0 if rt.embed_weight is None else kernels.nbytes(rt.embed_weight)
+        return {"weights": rt.weight_bytes() + embed, "greedy_screen": screen.nbytes if screen is not None else 0,
+                **self.resources.nbytes()}
+
     # the resources, as the model's own API (resources.py)
 
     def draft_vocabulary(self, n: int) -> torch.Tensor:

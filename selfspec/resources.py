@@ -217,6 +217,14 @@ class DraftResources:
                 "torch": torch.__version__, "machine": platform.machine(), "cpu": platform.processor(),
                 "draft_heads": [head_key(*h) for h in heads], "quantized": list(bits)}
 
+    def nbytes(self) -> dict[str, int]:
+        """Bytes of what drafters have made and these caches hold: quantized copies of the layers,
+        draft heads (restricted or quantized columns of the LM head)."""
+        with self._lock:
+            heads = sum(kernels.nbytes(h) for _, h in self._heads.values() if h is not None)
+            copies = sum(kernels.nbytes(w) for q in self._quantized.values() for L in q.layers for k, w in L.items() if k in _MATRICES)
+        return {"quantized_copies": copies, "draft_heads": heads}
+
     def bounded(self) -> dict[str, int]:
         """How many of each resource are held (tests, /health)."""
         return {"draft_heads": len(self._heads), "quantized": len(self._quantized), "adapters": len(self._adapters),

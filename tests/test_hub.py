@@ -231,6 +231,8 @@ def test_runtime_bytes_counts_the_weights(zoo):
         hf, m = zoo.get(arch)
         params = sum(p.numel() for n, p in hf.named_parameters() if p.dim() == 2)  # matrices (norms, biases: noise)
         assert loading.runtime_bytes(m.spec, torch.float32) == 4 * params, arch
+        held = m.memory()  # as laid out: 64-column tiles pad a little
+        assert 4 * params <= held["weights"] <= 1.5 * 4 * params + 4 * 64 * 64 * 4 * m.spec.num_layers, (arch, held)
 
 
 # ---- the seeds' checkpoints: their built-in profiles -------------------------------------------------

@@ -86,6 +86,7 @@ def model_info(model) -> dict:
         "model_type": model.spec.model_type,
         "num_layers": model.spec.num_layers,
         "vocab_size": model.spec.vocab_size,
+        "memory": model.memory(),
     }
 
 
