@@ -25,8 +25,7 @@ from selfspec.errors import SelfSpecError
 CONFIG_FILES = ["config.json", "generation_config.json"]
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json"]
-SAFETENSORS_FILES = ["*.safetensors", "model.safetensors.index.json"]
-PICKLE_FILES = ["*.bin", "pytorch_model.bin.index.json"]
+SAFETENSORS_INDEX, PICKLE_INDEX = "model.safetensors.index.json", "pytorch_model.bin.index.json"
 
 # org/name, each part as the Hub allows (letters, digits, '-', '_', '.'), then @revision and/or :file.gguf
 _ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+?)(?:@(?P<rev>[\w./-]+?))?(?::(?P<file>[^:@]+\.gguf))?$")
@@ -70,21 +69,41 @@ def cache_dir() -> str:
 
 def resolve(ref: HubRef, allow_pickle: bool = False) -> Path:
     """A local path for ref: the snapshot directory (downloading what is missing), or the
-    .gguf file. Every failure is a SelfSpecError of one line."""
+    .gguf file. Every failure is a SelfSpecError of one line.
+
+    A model repo is fetched in two rounds: its small files (config, tokenizer, the weights'
+    index), then exactly the weight files the index names (else `model.safetensors`), as
+    transformers does: repos that also carry another copy of the weights (Mistral's
+    `consolidated.safetensors`, original/ checkpoints) are not downloaded twice."""
+    def fetch(patterns: list[str]) -> Path:
+        return Path(snapshot_download(ref.repo_id, revision=ref.revision, cache_dir=cache_dir(),
+                                      allow_patterns=patterns, local_files_only=_offline()))
+
     try:
         if ref.filename:
             return Path(hf_hub_download(ref.repo_id, ref.filename, revision=ref.revision, cache_dir=cache_dir(),
                                         local_files_only=_offline()))
-        patterns = CONFIG_FILES + TOKENIZER_FILES + SAFETENSORS_FILES
-        path = Path(snapshot_download(ref.repo_id, revision=ref.revision, cache_dir=cache_dir(),
-                                      allow_patterns=patterns, local_files_only=_offline()))
+        small = CONFIG_FILES + TOKENIZER_FILES + [SAFETENSORS_INDEX, PICKLE_INDEX]
+        path = fetch(small)
+        path = fetch(small + _listed(path / SAFETENSORS_INDEX, "model.safetensors"))
         if not _weights_in(path) and allow_pickle:
-            path = Path(snapshot_download(ref.repo_id, revision=ref.revision, cache_dir=cache_dir(),
-                                          allow_patterns=patterns + PICKLE_FILES, local_files_only=_offline()))
+            path = fetch(small + _listed(path / PICKLE_INDEX, "pytorch_model.bin"))
+    except SelfSpecError:
+        raise
     except Exception as e:
         raise SelfSpecError(explain(e, ref)) from None
     check_snapshot(path, ref, allow_pickle)
     return path
+
+
+def _listed(index: Path, single: str) -> list[str]:
+    """The weight files an index names, else the single file's name."""
+    if not index.exists():
+        return [single]
+    try:
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise SelfSpecError(f"unreadable {index.name} in {index.parent}; download it again") from None
 
 
 def _weights_in(path: Path) -> bool:
@@ -97,13 +116,9 @@ def check_snapshot(path: Path, ref: HubRef | str, allow_pickle: bool = False) ->
     if not (path / "config.json").exists():
         raise SelfSpecError(f"{ref} has no config.json: not a transformers model repository "
                             "(for a GGUF inside a repo, name the file: org/name:file.gguf)")
-    for index_name in ("model.safetensors.index.json",) + (("pytorch_model.bin.index.json",) if allow_pickle else ()):
-        index = path / index_name
-        if index.exists():
-            try:
-                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError):
-                raise SelfSpecError(f"{ref}: unreadable {index_name} in {path}; download it again") from None
+    for index_name in (SAFETENSORS_INDEX,) + ((PICKLE_INDEX,) if allow_pickle else ()):
+        if (path / index_name).exists():
+            shards = _listed(path / index_name, "")
             missing = [s for s in shards if not (path / s).exists()]
             if missing:
                 raise SelfSpecError(f"{ref} is only partly downloaded: {len(missing)} of {len(shards)} weight files missing "

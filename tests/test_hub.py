@@ -310,3 +310,25 @@ def test_the_loader_holds_no_second_copy(tmp_path, dtype):
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["weights"] > (280 << 20) * (2 if dtype == "float32" else 1)
     assert r["peak"] <= 1.15 * r["weights"], f"peak {r['peak'] / 2**20:.0f} MiB for {r['weights'] / 2**20:.0f} MiB of weights"
+
+
+def test_only_the_weights_the_index_names_are_fetched(hub_cache, tmp_path, monkeypatch):
+    """Repos that also carry another copy of the weights (Mistral's consolidated.safetensors)
+    must not be downloaded twice: the second round asks for the index's shards only."""
+    d = tmp_path / "sharded"
+    helpers.write_llama_checkpoint(d, hidden=64, intermediate=96, layers=2, heads=4, kv_heads=2, vocab=96, tied=False,
+                                   shard_bytes=40_000)
+    shards = sorted(p.name for p in d.glob("model-*.safetensors"))
+    shutil.copy(d / shards[0], d / "consolidated.safetensors")
+    snap = lay_out(hub_cache, "test-org/two-copies", COMMIT_A, d)
+    asked = []
+    real = hub.snapshot_download
+
+    def download(repo_id, **kw):
+        asked.append(kw["allow_patterns"])
+        return real(repo_id, **kw)
+
+    monkeypatch.setattr(hub, "snapshot_download", download)
+    assert hub.resolve(hub.HubRef("test-org/two-copies")) == snap
+    weights = [p for p in asked[-1] if p.endswith(".safetensors")]
+    assert weights == shards and not any("*" in p for p in asked[-1])
