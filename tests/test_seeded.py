@@ -355,6 +355,35 @@ def test_the_screened_pick_is_the_exact_argmax():
         assert S._c_pick(r.contiguous(), 1.0, tau, ids, key, 5) == want
 
 
+@needs_kernels
+def test_avx2_code_gives_the_same_noise_and_picks(tmp_path):
+    """csrc/gumbel.c built without AVX-512 (the AVX2 code of simd.h and of its multiplies)
+    computes the very bits of this build: a seed is one text across those machines too."""
+    import os
+    import subprocess
+
+    from selfspec.kernels import build
+
+    lib = tmp_path / "libgumbel_avx2.so"
+    subprocess.run([os.environ.get("CC", "gcc"), *build._FLAGS, "-mno-avx512f", str(build._CSRC / "gumbel.c"), "-o", str(lib)],
+                   check=True, capture_output=True, timeout=300)
+    alt = ctypes.CDLL(str(lib))
+    alt.selfspec_gumbel_noise.argtypes = [ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
+    alt.selfspec_gumbel_pick.restype = ctypes.c_long
+    alt.selfspec_gumbel_pick.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_float, ctypes.c_void_p,
+                                         ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p]
+    g = torch.Generator().manual_seed(6)
+    toks = torch.randint(0, 1 << 31, (10001,), generator=g)
+    for key, pos in [(0, 0), (2**64 - 1, 2**40 + 3)]:
+        out = torch.empty(len(toks))
+        alt.selfspec_gumbel_noise(key, pos, toks.data_ptr(), len(toks), out.data_ptr())
+        assert torch.equal(out.view(torch.int32), gumbel_noise(key, pos, toks).view(torch.int32))
+    row = (torch.randn(20000, generator=g) * 4).bfloat16().float()
+    for key in range(20):
+        assert alt.selfspec_gumbel_pick(row.data_ptr(), len(row), 0.8, -S._FLT_MAX, None, key, 9, None) == \
+            S._c_pick(row, 0.8, -S._FLT_MAX, None, key, 9)
+
+
 def test_every_representation_picks_alike(monkeypatch):
     """Explicit, dense (Softmax) and the torch fallback (DenseProbs) pick the same token for one
     row; a restricted vocabulary's row picks among its own tokens."""
