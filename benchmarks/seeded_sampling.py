@@ -5,7 +5,9 @@ temperature 0.8, top_p 0.95, one seed per prompt:
      of every strategy on 1 and on 2 threads, of generate_batch (all prompts at once), and of
      `selfspec serve` under 8 concurrent clients, against seeded autoregressive sampling on 1
      thread: how many are identical (gumbel: all, by construction; rejection: its text depends
-     on the draft, the thread count, the batch);
+     on the draft), and whether a strategy's 1- and 2-thread texts agree, and the server's
+     texts its solo ones (rejection: not always, the int8 draft's kernels' bits depend on the
+     thread count);
   2. speed, side by side: the default strategy (auto) sampled with gumbel and with rejection,
      and sampled autoregressive decoding with each, alternating prompt by prompt (--repeats
      rounds); tok/s over all tokens of an arm, and the ratios;
@@ -79,22 +81,27 @@ def identity(model, prompts, args) -> dict:
         refs = [gen(model, ids, 1000 + i, args, coupling, ar, 1) for i, (_, ids) in enumerate(prompts)]
         rows = {}
         for label, cfg in strategies(model).items():
-            row = {}
+            row, by_threads = {}, {}
             for n in (1, 2):
-                outs = [gen(model, ids, 1000 + i, args, coupling, cfg, n) for i, (_, ids) in enumerate(prompts)]
+                outs = by_threads[n] = [gen(model, ids, 1000 + i, args, coupling, cfg, n) for i, (_, ids) in enumerate(prompts)]
                 row[f"threads_{n}"] = sum(o.token_ids == r.token_ids for o, r in zip(outs, refs))
                 if n == 2:
                     row["drafted"] = sum(o.stats.drafted for o in outs)
                     row["accepted"] = sum(o.stats.accepted for o in outs)
+            # the issue's own observation: the same strategy and seed on 1 and on 2 threads
+            row["threads_1_vs_2"] = sum(a.token_ids == b.token_ids for a, b in zip(by_threads[1], by_threads[2]))
             rows[label] = row
+            if label == "auto (default)":
+                solo_default = [o.text for o in by_threads[2]]
             print(f"  {coupling:9s} {label:32s} identical 1 thread {row['threads_1']}/{len(prompts)}, 2 threads "
-                  f"{row['threads_2']}/{len(prompts)}, acceptance {row['accepted'] / max(row['drafted'], 1):.3f}",
-                  file=sys.stderr, flush=True)
+                  f"{row['threads_2']}/{len(prompts)}, 1 vs 2 threads {row['threads_1_vs_2']}/{len(prompts)}, "
+                  f"acceptance {row['accepted'] / max(row['drafted'], 1):.3f}", file=sys.stderr, flush=True)
         torch.set_num_threads(2)
         batch = model.generate_batch([ids for _, ids in prompts], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                      top_p=args.top_p, seed=[1000 + i for i in range(len(prompts))], coupling=coupling)
         rows["generate_batch (auto, 2 threads)"] = {"threads_2": sum(o.token_ids == r.token_ids for o, r in zip(batch, refs))}
-        report[coupling] = {"rows": rows, "refs": [r.text for r in refs]}
+        # what the server is compared with: the reference, and the default strategy's own solo text (2 threads)
+        report[coupling] = {"rows": rows, "refs": [r.text for r in refs], "solo_default": solo_default}
     return report
 
 
@@ -106,6 +113,7 @@ def speed(model, prompts, args) -> dict:
             for s in ("auto", "autoregressive") for c in COUPLINGS}
     tokens = {a: 0 for a in arms}
     seconds = {a: 0.0 for a in arms}
+    stats = {a: {"verify_steps": 0, "drafted": 0, "accepted": 0, "draft_s": 0.0, "verify_s": 0.0} for a in arms}
     for (_, ids), i in zip(prompts[:1], range(1)):  # warm-up of every arm
         for cfg, c in arms.values():
             gen(model, ids, 1, args, c, cfg)
@@ -118,8 +126,18 @@ def speed(model, prompts, args) -> dict:
                 out = gen(model, ids, 2000 + 31 * rep + i, args, c, cfg)
                 seconds[a] += time.perf_counter() - t
                 tokens[a] += len(out.token_ids)
+                st = stats[a]
+                st["verify_steps"] += out.stats.verify_steps
+                st["drafted"] += out.stats.drafted
+                st["accepted"] += out.stats.accepted
+                st["draft_s"] += out.stats.time_draft_s
+                st["verify_s"] += out.stats.time_verify_s
     tps = {a: tokens[a] / seconds[a] for a in arms}
-    return {"tok_s": tps, "tokens": tokens,
+    for a, st in stats.items():
+        st["acceptance"] = st["accepted"] / st["drafted"] if st["drafted"] else 0.0
+        st["tokens_per_step"] = (st["accepted"] + st["verify_steps"]) / st["verify_steps"]
+        st["ms_per_step"] = 1e3 * (st["draft_s"] + st["verify_s"]) / st["verify_steps"]
+    return {"tok_s": tps, "tokens": tokens, "steps": stats,
             "gumbel_over_rejection": tps["auto gumbel"] / tps["auto rejection"],
             "gumbel_over_ar_gumbel": tps["auto gumbel"] / tps["autoregressive gumbel"],
             "gumbel_over_ar_rejection": tps["auto gumbel"] / tps["autoregressive rejection"],
@@ -152,9 +170,11 @@ async def _serve_requests(url: str, model_name: str, jobs: list[dict], clients: 
     return results
 
 
-def server(model, prompts, refs: dict, args) -> dict:
+def server(model, prompts, ident: dict, args) -> dict:
     """`selfspec serve` (default strategy, 2 threads) under args.clients concurrent clients: every
-    prompt with its seed, under both couplings, args.server_rounds times, in an interleaved order."""
+    prompt with its seed, under both couplings, args.server_rounds times, in an interleaved order;
+    each text against the reference (seeded autoregressive sampling) and against the default
+    strategy's solo `generate` in this process (2 threads)."""
     import httpx
 
     port = free_port()
@@ -181,16 +201,17 @@ def server(model, prompts, refs: dict, args) -> dict:
                 for c in COUPLINGS:
                     jobs.append({"prompt": ids, "max_tokens": args.max_new_tokens, "temperature": args.temperature,
                                  "top_p": args.top_p, "seed": 1000 + i, "selfspec": {"coupling": c}})
-                    want.append((c, refs[c][i]))
+                    want.append((c, ident[c]["refs"][i], ident[c]["solo_default"][i]))
         order = list(range(len(jobs)))
         order = order[::2] + order[1::2]  # the couplings apart: each round's requests mixed across the batch
         got = asyncio.run(_serve_requests(url, name, [jobs[j] for j in order], args.clients, 600))
-        out = {c: {"identical": 0, "requests": 0} for c in COUPLINGS}
+        out = {c: {"identical": 0, "same_as_solo": 0, "requests": 0} for c in COUPLINGS}
         fps = set()
         for j, g in zip(order, got):
-            c, ref = want[j]
+            c, ref, solo = want[j]
             out[c]["requests"] += 1
             out[c]["identical"] += g["status"] == 200 and g["text"] == ref
+            out[c]["same_as_solo"] += g["status"] == 200 and g["text"] == solo
             fps.add(g["fingerprint"])
         out["fingerprints"] = sorted(fp for fp in fps if fp)
         return out
@@ -231,7 +252,7 @@ def main(argv=None) -> int:
         report["identity"] = {c: v["rows"] for c, v in ident.items()}
         ok = all(r.get(f"threads_{n}", len(prompts)) == len(prompts) for r in ident["gumbel"]["rows"].values() for n in (1, 2))
         if not args.no_server:
-            report["server"] = server(model, prompts, {c: ident[c]["refs"] for c in COUPLINGS}, args)
+            report["server"] = server(model, prompts, ident, args)
             s = report["server"]["gumbel"]
             ok = ok and s["identical"] == s["requests"]
             print(f"  server: {report['server']}", file=sys.stderr, flush=True)
@@ -240,20 +261,26 @@ def main(argv=None) -> int:
     print(f"\nmodel gemma-3-270m bf16 ({model.runtime.numerics}), {n} prompts (code, text, summarize), T {args.temperature}, "
           f"top_p {args.top_p}, {args.max_new_tokens} new tokens; references: seeded autoregressive sampling, 1 thread")
     if "identity" in report:
-        print(f"{'':34s}" + "".join(f"{c + ' 1t':>14s}{c + ' 2t':>14s}{'acc. ' + c:>16s}" for c in COUPLINGS))
+        print("identical to the reference (1t, 2t: that strategy on 1 / 2 threads; 1t=2t: its two runs agree)")
+        print(f"{'':34s}" + "".join(f"{c + ' 1t':>14s}{c + ' 2t':>14s}{c[:3] + ' 1t=2t':>11s}{'acc. ' + c:>16s}" for c in COUPLINGS))
         for label in report["identity"]["gumbel"]:
             line = f"{label:34s}"
             for c in COUPLINGS:
                 r = report["identity"][c][label]
                 acc = f"{r['accepted'] / r['drafted']:.3f}" if r.get("drafted") else "-"
-                line += f"{(str(r['threads_1']) + '/' + str(n)) if 'threads_1' in r else '-':>14s}{str(r['threads_2']) + '/' + str(n):>14s}{acc:>16s}"
+                same = f"{r['threads_1_vs_2']}/{n}" if "threads_1_vs_2" in r else "-"
+                line += (f"{(str(r['threads_1']) + '/' + str(n)) if 'threads_1' in r else '-':>14s}"
+                         f"{str(r['threads_2']) + '/' + str(n):>14s}{same:>11s}{acc:>16s}")
             print(line)
         if "server" in report:
             s = report["server"]
-            print(f"selfspec serve, {args.clients} clients: " + ", ".join(f"{c} {s[c]['identical']}/{s[c]['requests']}" for c in COUPLINGS)
-                  + f"; fingerprints {s['fingerprints']}")
+            print(f"selfspec serve, {args.clients} clients, identical to the reference / to solo generate (default strategy, "
+                  "2 threads): " + ", ".join(f"{c} {s[c]['identical']}/{s[c]['requests']} / {s[c]['same_as_solo']}/{s[c]['requests']}"
+                                             for c in COUPLINGS) + f"; fingerprints {s['fingerprints']}")
     sp = report["speed"]
     print("speed (tok/s, all tokens of an arm, alternating): " + ", ".join(f"{a} {v:.1f}" for a, v in sp["tok_s"].items()))
+    print("per verify step: " + "; ".join(f"{a}: acceptance {st['acceptance']:.3f}, {st['tokens_per_step']:.2f} tokens, "
+                                           f"{st['ms_per_step']:.1f} ms" for a, st in sp["steps"].items()))
     print(f"auto gumbel / auto rejection {sp['gumbel_over_rejection']:.3f}x; auto gumbel / autoregressive gumbel "
           f"{sp['gumbel_over_ar_gumbel']:.2f}x (/ autoregressive rejection {sp['gumbel_over_ar_rejection']:.2f}x); "
           f"autoregressive gumbel / rejection {sp['ar_gumbel_over_ar_rejection']:.3f}x")

@@ -656,7 +656,7 @@ def test_speculative_sampling_matches_autoregressive_distribution(small, name, a
 
 REPRO = [
     dict(strategy="autoregressive"),
-    dict(strategy="auto"),  # the default: its decisions must not depend on timing when sampling
+    dict(strategy="auto"),  # the default: rejection: its decisions must not depend on timing; gumbel: the text does not depend on them
     dict(strategy="early-exit", exit_layer=2, num_speculations=3),
     dict(strategy="layer-skip", skip_mlp=[1], num_speculations=5),
     dict(strategy="prompt-lookup"),
