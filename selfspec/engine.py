@@ -20,7 +20,8 @@ import torch
 
 from selfspec.config import MAX_SPECULATIONS, GenerationConfig, SamplingConfig
 from selfspec.drafters.base import Draft, Drafter, Step
-from selfspec.sampling import GumbelPicks, Rows, distribution, gumbel_token, make_rng, noise_key
+from selfspec.coupling import GumbelPicks, gumbel_token, noise_key
+from selfspec.sampling import Rows, distribution, make_rng
 from selfspec.verification import coupled_accept, greedy_accept, speculative_accept
 
 

@@ -26,14 +26,8 @@ p(x), q(x) and, on a rejection, one draw from norm(max(p - q, 0)):
   * PointMass(token): prompt lookup's deterministic draft.
   * DenseProbs(probs): a full probability vector, the torch fallback (CUDA tensors, or no
     C library: `selfspec.kernels.available()` false, e.g. SELFSPEC_NO_KERNELS=1).
-Gumbel-max coupling (SamplingConfig.coupling "gumbel", the default; Daliri, Musco, Suresh 2024,
-"Coupling without communication and drafter-invariant speculative decoding"): a token is not
-drawn with a uniform from a generator but picked as argmax_t (x_t + g(key, pos, t)) over the
-row's support, x as above, g standard Gumbel noise keyed by the generation's key (its seed),
-the absolute position the token takes and its id (csrc/gumbel.c: Philox4x32-10, then
--log(-log u) in fp32). That is exactly a draw from p (argmax of log p_t + g_t, and x_t differs
-from log p_t by a constant), and a draft made with the same noise over its own distribution is
-the target's pick iff it is accepted: the text depends on the key and the target alone.
+Gumbel-max coupling (SamplingConfig.coupling "gumbel", the default) picks a row's token as the
+argmax of x plus noise keyed by seed, position and token instead of drawing it: coupling.py.
 The C side (csrc/sampling.c) finds tau without sorting the vocabulary. Top-k: one pass that
 keeps the entries at or above a running threshold (the k-th largest so far), then a
 quickselect. Top-p: one pass for the max, one for exp-sums in blocks plus counts and masses
@@ -45,7 +39,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import secrets
 from collections.abc import Sequence
 
 import numpy as np
@@ -172,11 +165,6 @@ class Dist:
     def draw(self, rng: torch.Generator) -> int:
         return self.pick(uniforms(rng, 1)[0])
 
-    def gumbel_max(self, key: int, pos: int) -> int:
-        """The token t of the support maximising x_t + g(key, pos, t) (ties: the lowest id): a
-        draw from this distribution with the noise of (key, pos) (module doc)."""
-        raise NotImplementedError
-
 
 class PointMass(Dist):
     def __init__(self, token: int):
@@ -194,9 +182,6 @@ class PointMass(Dist):
     def pick(self, u):
         return self.token
 
-    def gumbel_max(self, key, pos):
-        return self.token  # log q is 0 at the token, -inf elsewhere
-
     def dense(self, size):
         d = torch.zeros(size, dtype=torch.float64)
         d[self.token] = 1.0
@@ -205,7 +190,7 @@ class PointMass(Dist):
 
 class Explicit(Dist):
     """ids [n] ascending token ids, probs [n] fp64 summing to 1; xs [n] fp32 their x = logit / T
-    (what Gumbel-max adds noise to; None: log probs)."""
+    (what Gumbel-max adds noise to, coupling.py; None: log probs)."""
 
     def __init__(self, ids: torch.Tensor, probs: torch.Tensor, xs: torch.Tensor | None = None):
         self.ids, self.probs, self.xs = ids, probs, xs
@@ -223,12 +208,6 @@ class Explicit(Dist):
 
     def pick(self, u):
         return int(self.ids[inverse_cdf(self.probs, u)])
-
-    def gumbel_max(self, key, pos):
-        xs = self.xs if self.xs is not None else self.probs.log().float()
-        if _c_ready(xs):
-            return int(self.ids[_c_pick(xs.contiguous(), 1.0, -_FLT_MAX, self.ids, key, pos)])
-        return int(self.ids[_torch_pick(xs, self.ids, key, pos)])
 
     def dense(self, size):
         return torch.zeros(size, dtype=torch.float64, device=self.ids.device).index_put_((self.ids,), self.probs)
@@ -268,9 +247,6 @@ class Softmax(Dist):
     def pick(self, u):
         return self._token(_c_draw(self, None, u)[0])
 
-    def gumbel_max(self, key, pos):
-        return self._token(_c_pick(self.row, self.temperature, self.tau, None if self.vocab is None else self.vocab.ids, key, pos))
-
     def _token(self, j: int) -> int:
         return j if self.vocab is None else int(self.vocab.ids[j])
 
@@ -284,7 +260,7 @@ class Softmax(Dist):
 
 class DenseProbs(Dist):
     """A full probability vector [V] (any device): the torch fallback. x [V] (fp32, -inf off the
-    support): what Gumbel-max adds noise to (None: log probs)."""
+    support): what Gumbel-max adds noise to (coupling.py; None: log probs)."""
 
     def __init__(self, probs: torch.Tensor, x: torch.Tensor | None = None):
         self.probs, self.x = probs, x
@@ -300,12 +276,6 @@ class DenseProbs(Dist):
 
     def pick(self, u):
         return inverse_cdf(self.probs, u)
-
-    def gumbel_max(self, key, pos):
-        x = self.x if self.x is not None else self.probs.float().log()
-        if _c_ready(x):
-            return _c_pick(x.contiguous(), 1.0, -_FLT_MAX, None, key, pos)
-        return _torch_pick(x, torch.arange(len(x), device=x.device), key, pos)
 
     def dense(self, size):
         return self.probs.double()
@@ -387,110 +357,6 @@ def _c_draw(p: Softmax, q: Dist | None, u: float) -> tuple[int, float]:
     return int(j), total.value
 
 
-# ---- Gumbel noise (csrc/gumbel.c is the definition; gumbel_noise_torch spells out its bits) ----
-
-_FLT_MAX = float(np.finfo(np.float32).max)
-_M32 = 0xFFFFFFFF
-_PHILOX_M = (0xD2511F53, 0xCD9E8D57)
-_PHILOX_W = (0x9E3779B9, 0xBB67AE85)
-NOISE_DOMAIN = 0x47756D62  # counter word 3 of the Gumbel noise's Philox counters
-
-
-def noise_key(sampling: SamplingConfig) -> int | None:
-    """The key of a generation's Gumbel noise: its seed (mod 2^64), or 64 fresh random bits
-    when it has none; None when it draws from a torch.Generator instead (greedy, or the
-    rejection coupling)."""
-    if not sampling.gumbel:
-        return None
-    return secrets.randbits(64) if sampling.seed is None else sampling.seed % (1 << 64)
-
-
-def gumbel_noise(key: int, pos: int, tokens: torch.Tensor) -> torch.Tensor:
-    """g(key, pos, t) for token ids [n] (int64): fp32 [n], on tokens' device (module doc)."""
-    tokens = tokens.long()
-    if not _c_ready(tokens):
-        return gumbel_noise_torch(key, pos, tokens)
-    tokens = tokens.contiguous()
-    g = torch.empty(len(tokens), dtype=torch.float32)
-    kernels.sampling_functions()["noise"](key, pos, tokens.data_ptr(), len(tokens), g.data_ptr())
-    return g
-
-
-def _mulhilo(m: int, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hi, lo) 32-bit words of m * c, c [n] int64 in [0, 2^32): in 16-bit halves, so no
-    intermediate leaves int64."""
-    a, b = m * (c & 0xFFFF), m * (c >> 16)  # < 2^48 each
-    s = a + ((b & 0xFFFF) << 16)
-    return (b >> 16) + (s >> 32), s & _M32
-
-
-def philox4x32(ctr: list[torch.Tensor], key: tuple[int, int]) -> list[torch.Tensor]:
-    """Philox4x32-10 of counters (4 int64 tensors of 32-bit words) under key (two words)."""
-    c0, c1, c2, c3 = ctr
-    k0, k1 = key
-    for _ in range(10):
-        hi0, lo0 = _mulhilo(_PHILOX_M[0], c0)
-        hi1, lo1 = _mulhilo(_PHILOX_M[1], c2)
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-        k0, k1 = (k0 + _PHILOX_W[0]) & _M32, (k1 + _PHILOX_W[1]) & _M32
-    return [c0, c1, c2, c3]
-
-
-def _log32(y: torch.Tensor) -> torch.Tensor:
-    """csrc/gumbel.c's log_v, operation for operation (Cephes logf; fp32, y normal > 0)."""
-    f32 = lambda v: torch.tensor(v, dtype=torch.float32, device=y.device)  # noqa: E731
-    bits = y.view(torch.int32)
-    e = ((bits >> 23) & 0xFF) - 126
-    m = ((bits & 0x007FFFFF) | 0x3F000000).view(torch.float32)
-    low = m < f32(0.707106781186547524)
-    f = torch.where(low, (m + m) - f32(1.0), m - f32(1.0))
-    fe = (e - low.int()).float()
-    z = f * f
-    p = f32(7.0376836292e-2)
-    for c in (-1.1514610310e-1, 1.1676998740e-1, -1.2420140846e-1, 1.4249322787e-1, -1.6668057665e-1,
-              2.0000714765e-1, -2.4999993993e-1, 3.3333331174e-1):
-        p = p * f + f32(c)
-    p = p * f * z
-    p = p + fe * f32(-2.12194440e-4)
-    p = p + f32(-0.5) * z
-    return (f + p) + fe * f32(0.693359375)
-
-
-def gumbel_noise_torch(key: int, pos: int, tokens: torch.Tensor) -> torch.Tensor:
-    """gumbel_noise in torch operations (any device): the same bits as csrc/gumbel.c."""
-    t = tokens.long()
-    f32 = lambda v: torch.tensor(v, dtype=torch.float32, device=t.device)  # noqa: E731
-    zero = torch.zeros_like(t)
-    out = philox4x32([t >> 2, zero + (pos & _M32), zero + ((pos >> 32) & _M32), zero + NOISE_DOMAIN],
-                     (key & _M32, (key >> 32) & _M32))
-    word = t & 3
-    b = torch.where(word == 0, out[0], torch.where(word == 1, out[1], torch.where(word == 2, out[2], out[3])))
-    w = (b >> 8).float() * f32(2.0**-24) + ((b & 0xFF).float() + f32(0.5)) * f32(2.0**-32)
-    top = f32(1.0 - 2.0**-24)
-    w = torch.where(w < top, w, top)
-    s = f32(0.125)
-    for c in (1 / 7, 1 / 6, 0.2, 0.25, 1 / 3, 0.5, 1.0):
-        s = s * w + f32(c)
-    e = torch.where(w < f32(0.0625), s * w, -_log32(f32(1.0) - w))
-    return -_log32(e)
-
-
-def _c_pick(row: torch.Tensor, temperature: float, tau: float, ids: torch.Tensor | None, key: int, pos: int) -> int:
-    """csrc/gumbel.c's pick over row [N] (fp32, CPU): the entry."""
-    j = kernels.sampling_functions()["pick"](row.data_ptr(), len(row), temperature, tau,
-                                             None if ids is None else ids.data_ptr(), key, pos, None)
-    if j < 0:
-        raise MemoryError("sampling: C Gumbel pick out of memory") if j == -2 else SelfSpecError("sampling: an empty support")
-    return int(j)
-
-
-def _torch_pick(x: torch.Tensor, tokens: torch.Tensor, key: int, pos: int) -> int:
-    """argmax of x + g(key, pos, tokens) over finite x (first index on ties), in torch."""
-    score = x.float() + gumbel_noise_torch(key, pos, tokens.to(x.device))
-    score = score.masked_fill(~torch.isfinite(x), float("-inf"))
-    return int(score.argmax())
-
-
 def residual_draw(p: Dist, q: Dist, rng: torch.Generator) -> int:
     """One draw from norm(max(p - q, 0)) (p itself when p <= q everywhere: a rejection then
     has probability 0). Works over p's support only: the residual is zero outside it."""
@@ -534,34 +400,6 @@ class Rows(Sequence):
         if i not in self._rows:
             self._rows[i] = distribution(self.logits[i], self.cfg)
         return self._rows[i]
-
-
-def gumbel_token(logits: torch.Tensor, cfg: SamplingConfig, key: int, pos: int, vocab: SubVocab | None = None) -> int:
-    """The Gumbel-max token of one row of logits [N] (entry j is token j, or vocab.ids[j]) under
-    cfg with the noise of (key, pos): distribution(logits, cfg, vocab).gumbel_max(key, pos), the
-    distribution unbuilt when nothing is truncated (an argmax needs no normaliser)."""
-    if _c_ready(logits) and not _truncating(cfg, logits.shape[0]):
-        row = logits.detach().float().contiguous()
-        j = _c_pick(row, cfg.temperature, -_FLT_MAX, None if vocab is None else vocab.ids, key, pos)
-        return j if vocab is None else vocab.tokens[j]
-    return distribution(logits, cfg, vocab).gumbel_max(key, pos)
-
-
-class GumbelPicks(Sequence):
-    """The Gumbel-max tokens of the rows of logits [R, V] under cfg, row i's with the noise of
-    (key, pos + i), each made on first use (coupled acceptance stops at the first mismatch)."""
-
-    def __init__(self, logits: torch.Tensor, cfg: SamplingConfig, key: int, pos: int):
-        self.logits, self.cfg, self.key, self.pos = logits, cfg, key, pos
-        self._picks: dict[int, int] = {}
-
-    def __len__(self):
-        return self.logits.shape[0]
-
-    def __getitem__(self, i):
-        if i not in self._picks:
-            self._picks[i] = gumbel_token(self.logits[i], self.cfg, self.key, self.pos + i)
-        return self._picks[i]
 
 
 def as_rows(x: torch.Tensor | Sequence[Dist]) -> Sequence[Dist]:

@@ -9,7 +9,7 @@ norm(max(p - q, 0)); if all k drafts pass, a bonus token is drawn from p_{k+1}. 
 is then distributed exactly as sampling from p alone.
 
 Gumbel-max coupling (Daliri, Musco, Suresh 2024): with one noise g_t at each position (keyed
-by seed, position and token: sampling.gumbel_noise), the target's token is argmax_t (log p_t +
+by seed, position and token: coupling.py), the target's token is argmax_t (log p_t +
 g_t), exactly a draw from p, and the draft proposed argmax_t (log q_t + g_t) with the same noise.
 A draft is accepted iff it is the target's token; the first mismatch is replaced by the
 target's token (no residual draw), and the bonus is the target's token too. The output is then
@@ -39,7 +39,7 @@ def greedy_accept(draft: list[int], targets: list[int]) -> tuple[int, int]:
 
 def coupled_accept(draft: list[int], target_picks: Sequence[int]) -> tuple[int, int]:
     """Gumbel-max coupling: draft, k tokens each the argmax of the draft's log q + g; target_picks,
-    the k+1 target tokens argmax of log p + g (sampling.GumbelPicks: made on first use). ->
+    the k+1 target tokens argmax of log p + g (coupling.GumbelPicks: made on first use). ->
     (number accepted, next token): the longest prefix where the draft is the target's token,
     then the target's token."""
     n = 0

@@ -22,10 +22,11 @@ from scipy.stats import chi2_contingency, chisquare, kstest
 import selfspec
 from selfspec import engine as engine_mod
 from selfspec import kernels
-from selfspec import sampling as S
+from selfspec import coupling as S
 from selfspec.config import DraftConfig, SamplingConfig
 from selfspec.drafters.tokenwise import TokenDrafter
-from selfspec.sampling import SubVocab, distribution, gumbel_noise, gumbel_noise_torch, gumbel_token, philox4x32
+from selfspec.coupling import gumbel_max, gumbel_noise, gumbel_noise_torch, gumbel_token, philox4x32
+from selfspec.sampling import SubVocab, distribution, probs_from_logits
 from selfspec.verification import coupled_accept
 
 from helpers import ARCHS, ar_generate, build_hf, prompts
@@ -309,7 +310,7 @@ def test_gumbel_max_marginal_over_seeds_matches_the_model():
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(300, generator=g) * 2.5
     for cfg in (SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=12), SamplingConfig(temperature=1.3, top_p=0.8)):
-        p = S.probs_from_logits(logits, cfg).double().numpy()
+        p = probs_from_logits(logits, cfg).double().numpy()
         picks = np.array([gumbel_token(logits, cfg, k, 3) for k in range(6000)])
         counts = np.bincount(picks, minlength=300)
         assert counts[p == 0].sum() == 0
@@ -393,14 +394,14 @@ def test_every_representation_picks_alike(monkeypatch):
     sub = SubVocab(torch.randperm(V, generator=g)[:500].sort().values, V)
     for cfg in (SamplingConfig(temperature=0.9), SamplingConfig(temperature=0.8, top_k=40), SamplingConfig(temperature=1.1, top_p=0.9)):
         for key in range(10):
-            picks = {distribution(x, cfg).gumbel_max(key, 4), distribution(x, cfg, cap=0).gumbel_max(key, 4), gumbel_token(x, cfg, key, 4)}
+            picks = {gumbel_max(distribution(x, cfg), key, 4), gumbel_max(distribution(x, cfg, cap=0), key, 4), gumbel_token(x, cfg, key, 4)}
             with monkeypatch.context() as mp:
                 mp.setattr(kernels, "sampling_functions", lambda: None)
-                picks.add(distribution(x, cfg).gumbel_max(key, 4))
+                picks.add(gumbel_max(distribution(x, cfg), key, 4))
                 picks.add(gumbel_token(x, cfg, key, 4))
             assert len(picks) == 1, (cfg, key, picks)
             row = x[sub.ids]
-            sp = {distribution(row, cfg, sub).gumbel_max(key, 4), distribution(row, cfg, sub, cap=0).gumbel_max(key, 4),
+            sp = {gumbel_max(distribution(row, cfg, sub), key, 4), gumbel_max(distribution(row, cfg, sub, cap=0), key, 4),
                   gumbel_token(row, cfg, key, 4, sub)}
             assert len(sp) == 1 and int(sub.index[sp.pop()]) >= 0
 

@@ -32,7 +32,8 @@ from selfspec.drafters import (AutoDrafter, Drafter, EarlyExitDrafter, ExitAdapt
 from selfspec.drafters.base import Draft, Step
 from selfspec.engine import GenerationResult, GenerationStats, StreamEvent, _Output, sample_token, step_room
 from selfspec.lookup import until_eos
-from selfspec.sampling import make_rng, noise_key
+from selfspec.coupling import noise_key
+from selfspec.sampling import make_rng
 
 _ids = itertools.count(1)
 COPY_PRIOR = (4.0, 1.0)  # a hot copy's tokens: accepted 0.83-0.87 each on the default model (look_up)

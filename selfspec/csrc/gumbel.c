@@ -1,5 +1,5 @@
 /* Gumbel noise keyed by (seed, position, token), and the Gumbel-max pick of one row: the
- * sampling rule that makes a seed one text (selfspec/sampling.py, "Gumbel-max coupling";
+ * sampling rule that makes a seed one text (selfspec/coupling.py, Gumbel-max coupling;
  * its torch implementation, gumbel_noise_torch, computes the very same bits).
  *
  * Bits: Philox4x32-10 (Salmon, Moraes, Dror, Shaw, SC'11), counter (t / 4, pos lo, pos hi,

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from selfspec.drafters.base import Draft, Drafter, Step
-from selfspec.sampling import SubVocab, distribution, gumbel_token
+from selfspec.coupling import gumbel_max, gumbel_token
+from selfspec.sampling import SubVocab, distribution
 
 
 class AdaptiveThreshold:
@@ -82,7 +83,7 @@ class TokenDrafter(Drafter):
         else:
             q = distribution(logits, step.sampling, self.sub)  # over the full vocabulary's ids
             # the draft token takes position pos + 1 + len(tokens): Gumbel-max with its noise, or a draw
-            token = q.gumbel_max(step.key, step.pos + 1 + len(draft.tokens)) if step.key is not None else q.draw(step.rng)
+            token = gumbel_max(q, step.key, step.pos + 1 + len(draft.tokens)) if step.key is not None else q.draw(step.rng)
             if self.threshold is not None and q.top_prob() < self.threshold.gamma:
                 return False
             draft.dists.append(q)

@@ -1,6 +1,6 @@
 """The entry points of csrc/sampling.c (one row's top-k/top-p distribution and draws) and
 csrc/gumbel.c (Gumbel noise keyed by seed, position and token; one row's Gumbel-max pick),
-used by selfspec/sampling.py."""
+used by selfspec/sampling.py and selfspec/coupling.py."""
 
 from __future__ import annotations
 
