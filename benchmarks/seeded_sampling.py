@@ -108,7 +108,7 @@ def identity(model, prompts, args) -> dict:
 def speed(model, prompts, args) -> dict:
     from selfspec.config import DraftConfig
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.speed_threads)
     arms = {f"{s} {c}": (DraftConfig("autoregressive") if s == "autoregressive" else model.draft_config(), c)
             for s in ("auto", "autoregressive") for c in COUPLINGS}
     tokens = {a: 0 for a in arms}
@@ -232,6 +232,7 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--repeats", type=int, default=3, help="rounds of the speed comparison")
+    ap.add_argument("--speed-threads", type=int, default=2, help="threads of the speed comparison")
     ap.add_argument("--clients", type=int, default=8, help="concurrent clients of the server")
     ap.add_argument("--server-rounds", type=int, default=2)
     ap.add_argument("--no-server", action="store_true")
@@ -278,7 +279,7 @@ def main(argv=None) -> int:
                   "2 threads): " + ", ".join(f"{c} {s[c]['identical']}/{s[c]['requests']} / {s[c]['same_as_solo']}/{s[c]['requests']}"
                                              for c in COUPLINGS) + f"; fingerprints {s['fingerprints']}")
     sp = report["speed"]
-    print("speed (tok/s, all tokens of an arm, alternating): " + ", ".join(f"{a} {v:.1f}" for a, v in sp["tok_s"].items()))
+    print(f"speed ({args.speed_threads} threads; tok/s, all tokens of an arm, alternating): " + ", ".join(f"{a} {v:.1f}" for a, v in sp["tok_s"].items()))
     print("per verify step: " + "; ".join(f"{a}: acceptance {st['acceptance']:.3f}, {st['tokens_per_step']:.2f} tokens, "
                                            f"{st['ms_per_step']:.1f} ms" for a, st in sp["steps"].items()))
     print(f"auto gumbel / auto rejection {sp['gumbel_over_rejection']:.3f}x; auto gumbel / autoregressive gumbel "

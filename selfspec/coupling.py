@@ -29,7 +29,7 @@ import torch
 from selfspec import kernels
 from selfspec.config import SamplingConfig
 from selfspec.errors import SelfSpecError
-from selfspec.sampling import DenseProbs, Dist, Explicit, PointMass, Softmax, SubVocab, _c_ready, _truncating, distribution
+from selfspec.sampling import DenseProbs, Dist, Explicit, PointMass, Softmax, SubVocab, c_ready, truncating, distribution
 
 _FLT_MAX = float(np.finfo(np.float32).max)
 _M32 = 0xFFFFFFFF
@@ -50,7 +50,7 @@ def noise_key(sampling: SamplingConfig) -> int | None:
 def gumbel_noise(key: int, pos: int, tokens: torch.Tensor) -> torch.Tensor:
     """g(key, pos, t) for token ids [n] (int64): fp32 [n], on tokens' device (module doc)."""
     tokens = tokens.long()
-    if not _c_ready(tokens):
+    if not c_ready(tokens):
         return gumbel_noise_torch(key, pos, tokens)
     tokens = tokens.contiguous()
     g = torch.empty(len(tokens), dtype=torch.float32)
@@ -143,7 +143,7 @@ def gumbel_max(d: Dist, key: int, pos: int) -> int:
         return d.token  # log q is 0 at the token, -inf elsewhere
     if isinstance(d, Explicit):
         xs = d.xs if d.xs is not None else d.probs.log().float()
-        if _c_ready(xs):
+        if c_ready(xs):
             return int(d.ids[_c_pick(xs.contiguous(), 1.0, -_FLT_MAX, d.ids, key, pos)])
         return int(d.ids[_torch_pick(xs, d.ids, key, pos)])
     if isinstance(d, Softmax):
@@ -151,7 +151,7 @@ def gumbel_max(d: Dist, key: int, pos: int) -> int:
         return j if d.vocab is None else d.vocab.tokens[j]
     if isinstance(d, DenseProbs):
         x = d.x if d.x is not None else d.probs.float().log()
-        if _c_ready(x):
+        if c_ready(x):
             return _c_pick(x.contiguous(), 1.0, -_FLT_MAX, None, key, pos)
         return _torch_pick(x, torch.arange(len(x), device=x.device), key, pos)
     raise TypeError(f"no Gumbel-max pick of {type(d).__name__}")
@@ -161,7 +161,7 @@ def gumbel_token(logits: torch.Tensor, cfg: SamplingConfig, key: int, pos: int, 
     """The Gumbel-max token of one row of logits [N] (entry j is token j, or vocab.ids[j]) under
     cfg with the noise of (key, pos): gumbel_max(distribution(logits, cfg, vocab), key, pos), the
     distribution unbuilt when nothing is truncated (an argmax needs no normaliser)."""
-    if _c_ready(logits) and not _truncating(cfg, logits.shape[0]):
+    if c_ready(logits) and not truncating(cfg, logits.shape[0]):
         row = logits.detach().float().contiguous()
         j = _c_pick(row, cfg.temperature, -_FLT_MAX, None if vocab is None else vocab.ids, key, pos)
         return j if vocab is None else vocab.tokens[j]

@@ -281,12 +281,13 @@ class DenseProbs(Dist):
         return self.probs.double()
 
 
-def _truncating(cfg: SamplingConfig, n: int) -> bool:
+def truncating(cfg: SamplingConfig, n: int) -> bool:
     """cfg's top-k or top-p may drop tokens of a row of n."""
     return (cfg.top_k is not None and cfg.top_k < n) or (cfg.top_p is not None and cfg.top_p < 1.0)
 
 
-def _c_ready(t: torch.Tensor) -> bool:
+def c_ready(t: torch.Tensor) -> bool:
+    """The C sampling functions can take t (a CPU tensor, the library loaded)."""
     return t.device.type == "cpu" and kernels.sampling_functions() is not None
 
 
@@ -295,7 +296,7 @@ def distribution(logits: torch.Tensor, cfg: SamplingConfig, vocab: SubVocab | No
     when the support has at most `cap` (default CAP) tokens, else Softmax (DenseProbs without
     the C library or off the CPU)."""
     cap = CAP if cap is None else cap
-    if not _c_ready(logits):
+    if not c_ready(logits):
         x = logits.float() / cfg.temperature
         x = x.masked_fill(~keep_mask(x, cfg.top_k, cfg.top_p), float("-inf"))
         p = x.double().softmax(-1).float()  # = probs_from_logits
@@ -306,11 +307,11 @@ def distribution(logits: torch.Tensor, cfg: SamplingConfig, vocab: SubVocab | No
         return DenseProbs(p, x)
     row = logits.detach().float().contiguous()
     n = row.shape[0]
-    truncating = _truncating(cfg, n)
+    trunc = truncating(cfg, n)
     cap = min(cap, n)
     ids = torch.empty(cap, dtype=torch.long)
     probs = torch.empty(cap, dtype=torch.float64)
-    blocks = None if truncating else torch.empty((n + _SB - 1) // _SB, dtype=torch.float64)
+    blocks = None if trunc else torch.empty((n + _SB - 1) // _SB, dtype=torch.float64)
     out = (ctypes.c_double * 5)()
     rc = kernels.sampling_functions()["dist"](
         row.data_ptr(), n, cfg.temperature, cfg.top_k or 0, 1.0 if cfg.top_p is None else cfg.top_p, cap,
