@@ -179,7 +179,6 @@ def test_auto_preserves_the_distribution(tiny, coupling):
     costs = CostModel(3, {r: 0.5 for r in rows}, {r: 0.5 for r in rows}, {r: 1.0 for r in rows})
     tiny.resources.cost_model = lambda heads=(), bits=(): costs
     d = tiny.drafter(cfg)
-    d.timing = False  # decisions from acceptance alone (with Gumbel-max auto may also learn from step times: not deterministic)
     decisions: set = set()
     steps = _check(tiny, d, SamplingConfig(temperature=1.0, coupling=coupling), seed0=1_000_000,
                    on_sample=lambda out: decisions.update(d.decisions))

@@ -191,11 +191,12 @@ class AutoDrafter(Drafter):
         self.decisions.append(self._k)
         if draft.copied or self._k == 0 or d == 0:  # a lookup copy (free; says nothing of the self-draft), a plain step
             return
-        # Greedy, and sampling with Gumbel-max coupling (step.key: the text is the same whatever
-        # is drafted). Rejection sampling: the choice of k decides how the RNG is consumed, and a
-        # seed must reproduce the output, so decisions there depend on acceptance and the costs alone.
+        # Greedy only: when sampling, the choice of k decides how the RNG is consumed, and a seed
+        # must reproduce the output, so decisions there depend on acceptance and the costs alone.
+        # (With Gumbel-max coupling a choice of k cannot change the text, so learning from step
+        # times would be allowed there too: not done, unmeasured.)
         # (An engine that runs the passes itself never calls verify(): no split, nothing learnt.)
-        if self.timing and (step.sampling.greedy or step.key is not None) and self._t_verify is not None:
+        if self.timing and step.sampling.greedy and self._t_verify is not None:
             self._learn_rho(d, len(draft.tokens), self._t_verify - self._t0, self._clock() - self._t_verify)
         self.A = self.DECAY * self.A + n
         self.R = self.DECAY * self.R + (n < d)
