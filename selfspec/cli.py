@@ -79,6 +79,7 @@ def cmd_generate(args) -> int:
         top_k=sampling.top_k,
         top_p=sampling.top_p,
         seed=sampling.seed,
+        coupling=sampling.coupling,
         draft=draft,
         on_event=on_event,
     )

@@ -12,7 +12,7 @@ import typing
 from dataclasses import MISSING, fields
 
 from selfspec.chat_templates import names, resolve
-from selfspec.config import STRATEGIES, DraftConfig
+from selfspec.config import COUPLINGS, STRATEGIES, DraftConfig
 from selfspec.errors import unknown_choice
 from selfspec.loading import peek_shape
 from selfspec.model import load, merge_profile_draft
@@ -38,6 +38,9 @@ _HELP = {
     "top_k": "sample from the k most likely tokens",
     "top_p": "nucleus sampling mass",
     "seed": "random seed for sampling",
+    "coupling": ("how a sampled draft is accepted: gumbel (Gumbel-max coupling: a seed gives one text whatever drafts it, "
+                 "the threads or the batch) or rejection (speculative sampling's accept/resample: the same distribution, "
+                 "but the sample depends on the draft)"),
     "max_new_tokens": "the most tokens to generate",
     "stop": "stop string (repeatable)",
     "chat": "wrap the prompt as a user turn of the chat template (the tokenizer's, --chat-template, or the built-in "
@@ -108,6 +111,8 @@ def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] 
             parser.add_argument(flag, action="append", default=None, help=help_)
         elif f.name == "strategy":
             parser.add_argument(flag, type=choice(STRATEGIES, "strategy"), default=default, help=help_)
+        elif f.name == "coupling":
+            parser.add_argument(flag, type=choice(COUPLINGS, "coupling"), default=default, help=help_)
         else:
             parser.add_argument(flag, type=tp, default=default, help=help_)
 

@@ -21,6 +21,12 @@ SELF_DRAFTING = ("early-exit", "layer-skip", "exit-adapter", "quantized")
 GUESS_CHECKING = ("quantized",)
 DRAFT_BITS = (8, 4)  # quantized drafting: int8 per output channel, int4 in groups of 64 rows (quant.INT4_GROUP)
 MAX_SPECULATIONS = 16  # verify passes stay within the row counts where the CPU kernels are row-invariant
+# How a sampled draft is accepted (SamplingConfig.coupling): "gumbel", Gumbel-max coupling (the
+# draft and the target take the argmax of their logits plus one noise keyed by seed, position and
+# token; a draft is accepted iff it is the target's: the text is autoregressive sampling's with
+# that seed whatever drafts it); "rejection", speculative sampling's accept with min(1, p/q) and
+# resample (the same distribution, but the sample depends on the draft).
+COUPLINGS = ("gumbel", "rejection")
 
 
 class ConfigError(SelfSpecError):
@@ -149,15 +155,19 @@ def _sorted_set(values: tuple[int, ...]) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """temperature 0 means greedy; top_k / top_p apply to both draft and target."""
+    """temperature 0 means greedy; top_k / top_p apply to both draft and target; coupling: how
+    a sampled draft is accepted (COUPLINGS)."""
 
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
+    coupling: str = "gumbel"  # a seed is one text, whatever drafts it (COUPLINGS)
 
     def __post_init__(self):
         coerce_fields(self)
+        if self.coupling not in COUPLINGS:
+            raise ConfigError(unknown_choice("coupling", self.coupling, COUPLINGS), "coupling")
         if not (self.temperature >= 0.0) or self.temperature != self.temperature:
             raise SelfSpecError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
@@ -168,6 +178,11 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def gumbel(self) -> bool:
+        """Sampled with Gumbel-max coupling (not greedy, coupling "gumbel")."""
+        return not self.greedy and self.coupling == "gumbel"
 
 
 # The fields each strategy reads (besides `strategy`). Setting any other field to a value

@@ -19,9 +19,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from selfspec.config import MAX_SPECULATIONS, GenerationConfig, SamplingConfig
-from selfspec.drafters.base import Drafter, Step
+from selfspec.drafters.base import Draft, Drafter, Step
+from selfspec.coupling import GumbelPicks, gumbel_token, noise_key
 from selfspec.sampling import Rows, distribution, make_rng
-from selfspec.verification import greedy_accept, speculative_accept
+from selfspec.verification import coupled_accept, greedy_accept, speculative_accept
 
 
 @dataclass
@@ -175,6 +176,25 @@ class _Output:
         return self.text if self._track_text else self._decode()
 
 
+def sample_token(logits: torch.Tensor | int, sampling: SamplingConfig, rng: torch.Generator, key: int | None, pos: int) -> int:
+    """The token at position pos from the logits [V] before it (greedy: the argmax token the
+    pass gave): Gumbel-max with the noise of (key, pos), or a draw from rng (key None)."""
+    if sampling.greedy:
+        return logits
+    return gumbel_token(logits, sampling, key, pos) if key is not None else distribution(logits, sampling).draw(rng)
+
+
+def accept(step: Step, draft: Draft, logits: torch.Tensor | list[int]) -> tuple[int, int]:
+    """The verifier's verdict on a step's draft from its logits [k+1, V] (greedy: their argmax
+    tokens): the greedy prefix, Gumbel-max coupling (row i's noise at position step.pos + 1 + i),
+    or speculative sampling (step.key None). -> (number accepted, next token)."""
+    if step.sampling.greedy:
+        return greedy_accept(draft.tokens, logits)
+    if step.key is not None:
+        return coupled_accept(draft.tokens, GumbelPicks(logits, step.sampling, step.key, step.pos + 1))
+    return speculative_accept(draft.tokens, draft.dists, Rows(logits, step.sampling), step.rng)
+
+
 def step_room(sampling: SamplingConfig, remaining: int) -> int:
     """Step.room of a step that may verify copies past its self-draft (greedy only: a copy is
     accepted with probability p(x) when sampling): MAX_SPECULATIONS drafts, within the budget."""
@@ -195,17 +215,15 @@ def generate(
     t_start = clock()
     stats = GenerationStats(prompt_tokens=len(prompt_ids))
     rng = make_rng(sampling.seed, runtime.device)
+    key = noise_key(sampling)  # Gumbel-max coupling: the text is a function of the key and the target alone
     # One capacity for every strategy (prompt + budget + the largest draft): identical
     # attention shapes are part of what keeps speculative output bit-identical.
     cache = runtime.new_cache(len(prompt_ids) + gen.max_new_tokens + MAX_SPECULATIONS + 2)
     out = _Output(tokenizer, gen, eos_ids, on_event)
 
-    def pick(logits: torch.Tensor | int) -> int:
-        return logits if sampling.greedy else distribution(logits, sampling).draw(rng)  # greedy: prefill gave the token
-
     with torch.inference_mode():
         ids = torch.tensor(prompt_ids, device=runtime.device)
-        first = pick(drafter.prefill(ids, cache, argmax_only=sampling.greedy))
+        first = sample_token(drafter.prefill(ids, cache, argmax_only=sampling.greedy), sampling, rng, key, len(prompt_ids))
         K = drafter.max_draft  # after prefill: auto picks its base draft there
         stats.per_position_drafted, stats.per_position_accepted = [0] * K, [0] * K
         stats.time_prefill_s = clock() - t_start
@@ -214,15 +232,12 @@ def generate(
         out.push([first], [False])
         while out.finish is None:
             remaining = gen.max_new_tokens - len(out.ids)
-            step = Step(tokens, len(tokens) - 1, min(K, remaining - 1), cache, sampling, rng, step_room(sampling, remaining))
+            step = Step(tokens, len(tokens) - 1, min(K, remaining - 1), cache, sampling, rng, step_room(sampling, remaining), key)
             t0 = clock()
             draft = drafter.draft(step)
             t1 = clock()
             logits = drafter.verify(step, draft)  # [k+1, V]
-            if sampling.greedy:
-                n, nxt = greedy_accept(draft.tokens, logits)
-            else:
-                n, nxt = speculative_accept(draft.tokens, draft.dists, Rows(logits, sampling), rng)
+            n, nxt = accept(step, draft, logits)
             drafter.accepted(step, draft, n)
             t2 = clock()
             stats.time_draft_s += t1 - t0

@@ -276,6 +276,7 @@ class SelfSpecModel:
         top_k: int | None = None,
         top_p: float | None = None,
         seed: int | None = None,
+        coupling: str = SamplingConfig.coupling,
         stop: list[str] | str | None = None,
         chat: bool = False,
         strategy: str | None = None,
@@ -285,7 +286,7 @@ class SelfSpecModel:
         **draft_options,
     ) -> GenerationResult:
         gen, cfg = self._request_options(max_new_tokens, stop, chat, strategy, profile, draft, draft_options)
-        sampling = SamplingConfig(temperature=float(temperature), top_k=top_k, top_p=top_p, seed=seed)
+        sampling = SamplingConfig(temperature=float(temperature), top_k=top_k, top_p=top_p, seed=seed, coupling=coupling)
         ids = self.encode(prompt, chat)
         gen = self._within_context(gen, ids)
         with self.computing():  # one generation at a time (class doc)
@@ -313,6 +314,7 @@ class SelfSpecModel:
         top_k: int | None = None,
         top_p: float | None = None,
         seed: int | list[int | None] | None = None,
+        coupling: str = SamplingConfig.coupling,
         stop: list[str] | str | None = None,
         chat: bool = False,
         strategy: str | None = None,
@@ -335,7 +337,7 @@ class SelfSpecModel:
         for i, (prompt, s) in enumerate(zip(prompts, seeds)):
             ids = self.encode(prompt, chat)
             g = self._within_context(gen, ids)
-            sampling = SamplingConfig(temperature=float(temperature), top_k=top_k, top_p=top_p, seed=s)
+            sampling = SamplingConfig(temperature=float(temperature), top_k=top_k, top_p=top_p, seed=s, coupling=coupling)
             cb = None if on_event is None else (lambda e, i=i: on_event(i, e))
             requests.append(BatchRequest(ids, g, sampling, cfg, cb))
         with self.computing():  # one batch (or generation) at a time

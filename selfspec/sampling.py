@@ -26,6 +26,8 @@ p(x), q(x) and, on a rejection, one draw from norm(max(p - q, 0)):
   * PointMass(token): prompt lookup's deterministic draft.
   * DenseProbs(probs): a full probability vector, the torch fallback (CUDA tensors, or no
     C library: `selfspec.kernels.available()` false, e.g. SELFSPEC_NO_KERNELS=1).
+Gumbel-max coupling (SamplingConfig.coupling "gumbel", the default) picks a row's token as the
+argmax of x plus noise keyed by seed, position and token instead of drawing it: coupling.py.
 The C side (csrc/sampling.c) finds tau without sorting the vocabulary. Top-k: one pass that
 keeps the entries at or above a running threshold (the k-th largest so far), then a
 quickselect. Top-p: one pass for the max, one for exp-sums in blocks plus counts and masses
@@ -187,10 +189,11 @@ class PointMass(Dist):
 
 
 class Explicit(Dist):
-    """ids [n] ascending token ids, probs [n] fp64 summing to 1."""
+    """ids [n] ascending token ids, probs [n] fp64 summing to 1; xs [n] fp32 their x = logit / T
+    (what Gumbel-max adds noise to, coupling.py; None: log probs)."""
 
-    def __init__(self, ids: torch.Tensor, probs: torch.Tensor):
-        self.ids, self.probs = ids, probs
+    def __init__(self, ids: torch.Tensor, probs: torch.Tensor, xs: torch.Tensor | None = None):
+        self.ids, self.probs, self.xs = ids, probs, xs
 
     def prob(self, token):
         i = int(torch.searchsorted(self.ids, token))
@@ -256,10 +259,11 @@ class Softmax(Dist):
 
 
 class DenseProbs(Dist):
-    """A full probability vector [V] (any device): the torch fallback."""
+    """A full probability vector [V] (any device): the torch fallback. x [V] (fp32, -inf off the
+    support): what Gumbel-max adds noise to (coupling.py; None: log probs)."""
 
-    def __init__(self, probs: torch.Tensor):
-        self.probs = probs
+    def __init__(self, probs: torch.Tensor, x: torch.Tensor | None = None):
+        self.probs, self.x = probs, x
 
     def prob(self, token):
         return float(self.probs[token])
@@ -277,7 +281,13 @@ class DenseProbs(Dist):
         return self.probs.double()
 
 
-def _c_ready(t: torch.Tensor) -> bool:
+def truncating(cfg: SamplingConfig, n: int) -> bool:
+    """cfg's top-k or top-p may drop tokens of a row of n."""
+    return (cfg.top_k is not None and cfg.top_k < n) or (cfg.top_p is not None and cfg.top_p < 1.0)
+
+
+def c_ready(t: torch.Tensor) -> bool:
+    """The C sampling functions can take t (a CPU tensor, the library loaded)."""
     return t.device.type == "cpu" and kernels.sampling_functions() is not None
 
 
@@ -286,18 +296,22 @@ def distribution(logits: torch.Tensor, cfg: SamplingConfig, vocab: SubVocab | No
     when the support has at most `cap` (default CAP) tokens, else Softmax (DenseProbs without
     the C library or off the CPU)."""
     cap = CAP if cap is None else cap
-    if not _c_ready(logits):
-        p = probs_from_logits(logits.float(), cfg)
+    if not c_ready(logits):
+        x = logits.float() / cfg.temperature
+        x = x.masked_fill(~keep_mask(x, cfg.top_k, cfg.top_p), float("-inf"))
+        p = x.double().softmax(-1).float()  # = probs_from_logits
         if vocab is not None:
-            p = torch.zeros(len(vocab.index), dtype=p.dtype, device=p.device).index_put_((vocab.ids.to(p.device),), p)
-        return DenseProbs(p)
+            ids = vocab.ids.to(p.device)
+            p = torch.zeros(len(vocab.index), dtype=p.dtype, device=p.device).index_put_((ids,), p)
+            x = torch.full((len(vocab.index),), float("-inf"), device=x.device).index_put_((ids,), x)
+        return DenseProbs(p, x)
     row = logits.detach().float().contiguous()
     n = row.shape[0]
-    truncating = (cfg.top_k is not None and cfg.top_k < n) or (cfg.top_p is not None and cfg.top_p < 1.0)
+    trunc = truncating(cfg, n)
     cap = min(cap, n)
     ids = torch.empty(cap, dtype=torch.long)
     probs = torch.empty(cap, dtype=torch.float64)
-    blocks = None if truncating else torch.empty((n + _SB - 1) // _SB, dtype=torch.float64)
+    blocks = None if trunc else torch.empty((n + _SB - 1) // _SB, dtype=torch.float64)
     out = (ctypes.c_double * 5)()
     rc = kernels.sampling_functions()["dist"](
         row.data_ptr(), n, cfg.temperature, cfg.top_k or 0, 1.0 if cfg.top_p is None else cfg.top_p, cap,
@@ -308,10 +322,11 @@ def distribution(logits: torch.Tensor, cfg: SamplingConfig, vocab: SubVocab | No
     if written > 0:
         k = int(written)
         ids, probs = ids[:k], probs[:k]
+        xs = row[ids] / cfg.temperature  # the C passes' fp32 division
         if vocab is not None:
             ids, order = vocab.ids[ids].sort()
-            probs = probs[order]
-        return Explicit(ids, probs)
+            probs, xs = probs[order], xs[order]
+        return Explicit(ids, probs, xs)
     return Softmax(row, cfg.temperature, tau, m, z, blocks, vocab)
 
 

@@ -7,6 +7,16 @@ Sampling (Leviathan et al. 2023; Chen et al. 2023): draft token x ~ q is accepte
 probability min(1, p(x)/q(x)); on the first rejection the replacement is drawn from
 norm(max(p - q, 0)); if all k drafts pass, a bonus token is drawn from p_{k+1}. The output
 is then distributed exactly as sampling from p alone.
+
+Gumbel-max coupling (Daliri, Musco, Suresh 2024): with one noise g_t at each position (keyed
+by seed, position and token: coupling.py), the target's token is argmax_t (log p_t +
+g_t), exactly a draw from p, and the draft proposed argmax_t (log q_t + g_t) with the same noise.
+A draft is accepted iff it is the target's token; the first mismatch is replaced by the
+target's token (no residual draw), and the bonus is the target's token too. The output is then
+autoregressive Gumbel-max sampling with that seed, token for token, whatever the draft: a
+drafter changes only how many target tokens each step confirms. Acceptance per token is at
+least (1 - TV)/(1 + TV) (TV: the total variation between p and q), near 1 - TV when they are
+close; a copied (one-hot) draft x is accepted with probability p(x), as with rejection.
 """
 
 from __future__ import annotations
@@ -25,6 +35,17 @@ def greedy_accept(draft: list[int], targets: list[int]) -> tuple[int, int]:
     while n < len(draft) and draft[n] == targets[n]:
         n += 1
     return n, targets[n]
+
+
+def coupled_accept(draft: list[int], target_picks: Sequence[int]) -> tuple[int, int]:
+    """Gumbel-max coupling: draft, k tokens each the argmax of the draft's log q + g; target_picks,
+    the k+1 target tokens argmax of log p + g (coupling.GumbelPicks: made on first use). ->
+    (number accepted, next token): the longest prefix where the draft is the target's token,
+    then the target's token."""
+    n = 0
+    while n < len(draft) and draft[n] == target_picks[n]:
+        n += 1
+    return n, target_picks[n]
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

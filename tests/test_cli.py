@@ -108,6 +108,21 @@ def test_generate_speculative_json_equals_autoregressive(model_dir):
     assert ee["stats"]["verify_steps"] >= 1 and len(ee["stats"]["per_position_drafted"]) == 3
 
 
+def test_seeded_sampling_is_one_text_on_the_cli(model_dir):
+    """--coupling gumbel (the default): a seeded speculative text is the seeded autoregressive one;
+    --coupling rejection is today's rule (reproducible by its seed, the draft's own text)."""
+    opts = ["--max-new-tokens", "16", "--temperature", "1.0", "--top-p", "0.9", "--seed", "7"]
+    ar = gen_ar(model_dir, "hello world", *opts)
+    r = gen(model_dir, "hello world", *opts, "--json", "--strategy", "early-exit", "--exit-layer", "2")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["token_ids"] == ar["token_ids"]
+    again = [gen(model_dir, "hello world", *opts, "--json", "--strategy", "early-exit", "--exit-layer", "2",
+                 "--coupling", "rejection") for _ in range(2)]
+    assert all(a.returncode == 0 for a in again)
+    assert json.loads(again[0].stdout)["token_ids"] == json.loads(again[1].stdout)["token_ids"]
+    assert_user_error(run_cli("generate", "hi", "--model", str(model_dir), "--coupling", "gumble"), "did you mean gumbel?")
+
+
 def test_generate_plain_output(model_dir):
     r = gen(model_dir, "one two three", "--max-new-tokens", "6", "--stream-style", "none",
             "--strategy", "layer-skip", "--skip-mlp", "1,2")

@@ -4,7 +4,9 @@ bfloat16, what users run on the CPU (the fused kernels where they build: also ~4
 per sample than float32 on a tiny model, which 16,300 samples per test need; test_sampling
 covers the float32 strategies).
 
-Each test samples short continuations with a strategy, a different seed per sample, and
+Each test samples short continuations with a strategy, a different seed per sample (Gumbel-max
+coupling, the default: a seed's text is plain sampling's; the default strategy and the quantized
+draft with rejection sampling too), and
 compares the distribution of the 2nd and 3rd new tokens (the first speculative step: drafts,
 acceptance, residual and bonus tokens) with the *exact* distribution of plain sampling,
 computed by enumerating every prefix on a tiny model with a 12-token vocabulary. An exact
@@ -25,7 +27,7 @@ import torch
 
 import selfspec
 from selfspec.adapter import AdapterMeta, ExitAdapter, save_adapter
-from selfspec.config import DraftConfig, GenerationConfig, SamplingConfig
+from selfspec.config import COUPLINGS, DraftConfig, GenerationConfig, SamplingConfig
 from selfspec.engine import generate
 from selfspec.predictor.costs import CostModel
 
@@ -112,7 +114,7 @@ def _sample(model, drafter, sampling: SamplingConfig, seed0: int, on_sample=None
     counts = [np.zeros(V, dtype=np.int64) for _ in POSITIONS]
     rt = model.runtime
     for i in range(N_SAMPLES):
-        s = SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed0 + i)
+        s = SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed0 + i, coupling=sampling.coupling)
         out = generate(rt, drafter, PROMPT, GenerationConfig(NEW), s, eos_ids=())
         for c, j in zip(counts, POSITIONS):
             c[out.token_ids[j]] += 1
@@ -167,17 +169,18 @@ def test_the_sample_size_detects_a_tv_error_of_0_03():
     assert ncx2.sf(crit, df, N_SAMPLES * (2 * TV) ** 2) >= POWER
 
 
-def test_auto_preserves_the_distribution(tiny):
+@pytest.mark.parametrize("coupling", COUPLINGS)
+def test_auto_preserves_the_distribution(tiny, coupling):
     """auto gating early exit with a restricted draft vocabulary; costs where drafting pays at
     the prior acceptance but not after rejections, so its per-step choice of k varies with
-    what it observed (and with it how the RNG is consumed)."""
+    what it observed (and with it how the RNG is consumed, under rejection sampling)."""
     cfg = DraftConfig("auto", base=DraftConfig("early-exit", exit_layer=1, num_speculations=3))
     rows = (1, 2, 3, 5, 9, 17)
     costs = CostModel(3, {r: 0.5 for r in rows}, {r: 0.5 for r in rows}, {r: 1.0 for r in rows})
     tiny.resources.cost_model = lambda heads=(), bits=(): costs
     d = tiny.drafter(cfg)
     decisions: set = set()
-    steps = _check(tiny, d, SamplingConfig(temperature=1.0), seed0=1_000_000,
+    steps = _check(tiny, d, SamplingConfig(temperature=1.0, coupling=coupling), seed0=1_000_000,
                    on_sample=lambda out: decisions.update(d.decisions))
     assert 0 in decisions and any(k > 0 for k in decisions), decisions
 
@@ -210,7 +213,8 @@ def test_threshold_adaptive_and_draft_vocab_preserve_the_distribution(tiny):
 
 
 @needs_kernels
-def test_quantized_with_lookup_first_preserves_the_distribution(tiny):
+@pytest.mark.parametrize("coupling", COUPLINGS)
+def test_quantized_with_lookup_first_preserves_the_distribution(tiny, coupling):
     """An int4 copy of the model's weights drafting behind prompt lookup: the copies are
     guesses of its own sampled drafts (draft_guessed), never drafts themselves; rejections
     often enough on this tiny model."""
@@ -219,6 +223,6 @@ def test_quantized_with_lookup_first_preserves_the_distribution(tiny):
     guessed = []
     draft_guessed = d.inner.draft_guessed
     d.inner.draft_guessed = lambda step, guess=None: (guessed.append(guess is not None), draft_guessed(step, guess))[1]
-    _check(tiny, d, SamplingConfig(temperature=0.9, top_k=8), seed0=4_000_000)
+    _check(tiny, d, SamplingConfig(temperature=0.9, top_k=8, coupling=coupling), seed0=4_000_000)
     assert sources[0] > 0 and sources[1] == 0, sources
     assert any(guessed), "no draft had a lookup guess"

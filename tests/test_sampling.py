@@ -1,6 +1,6 @@
-"""Sampling: the logits transform, the speculative acceptance rule, and end to end
+"""Sampling: the logits transform, the speculative acceptance rules, and end to end
 distribution preservation (speculative sampling must sample exactly the autoregressive
-distribution), plus seed reproducibility.
+distribution, with either coupling), plus seed reproducibility.
 
 All statistical tests use fixed seeds, so they are deterministic; each asserts a
 chi-square p-value > 0.001 against the *exact* target distribution.
@@ -17,7 +17,7 @@ from scipy.stats import binomtest, chisquare
 
 import selfspec
 from selfspec.architectures import ModelSpec
-from selfspec.config import DraftConfig, GenerationConfig, SamplingConfig
+from selfspec.config import COUPLINGS, DraftConfig, GenerationConfig, SamplingConfig
 from selfspec.drafters import AutoDrafter, make_drafter
 from selfspec.engine import generate
 from selfspec.errors import SelfSpecError
@@ -619,8 +619,11 @@ def _e2e_drafter(rt, cfg: DraftConfig, draft_rt):
     return AutoDrafter(rt, cfg, base=make_drafter(rt, cfg.base, (), draft_rt), costs=costs, timing=False)
 
 
+@pytest.mark.parametrize("coupling", COUPLINGS)
 @pytest.mark.parametrize("name,arch,draft_kw,sampling_kw", E2E, ids=[e[0] for e in E2E])
-def test_speculative_sampling_matches_autoregressive_distribution(small, name, arch, draft_kw, sampling_kw, monkeypatch):
+def test_speculative_sampling_matches_autoregressive_distribution(small, name, arch, draft_kw, sampling_kw, coupling, monkeypatch):
+    """Both couplings: rejection sampling (accept with min(1, p/q), resample) and Gumbel-max
+    (the target's Gumbel argmax with the seed's noise, whatever the draft) sample exactly p."""
     hf, rt = small[arch]
     if name.endswith("-dense"):
         monkeypatch.setattr(sampling_mod, "CAP", 0)
@@ -635,7 +638,7 @@ def test_speculative_sampling_matches_autoregressive_distribution(small, name, a
     counts = np.zeros([V] * 4)
     drafted = accepted = 0
     for seed in range(N_SAMPLES):
-        res = generate(rt, drafter, PROMPT, GenerationConfig(4), SamplingConfig(seed=seed, **sampling_kw))
+        res = generate(rt, drafter, PROMPT, GenerationConfig(4), SamplingConfig(seed=seed, coupling=coupling, **sampling_kw))
         assert len(res.token_ids) == 4
         counts[tuple(res.token_ids)] += 1
         drafted += res.stats.drafted
@@ -653,7 +656,7 @@ def test_speculative_sampling_matches_autoregressive_distribution(small, name, a
 
 REPRO = [
     dict(strategy="autoregressive"),
-    dict(strategy="auto"),  # the default: its decisions must not depend on timing when sampling
+    dict(strategy="auto"),  # the default: rejection: its decisions must not depend on timing; gumbel: the text does not depend on them
     dict(strategy="early-exit", exit_layer=2, num_speculations=3),
     dict(strategy="layer-skip", skip_mlp=[1], num_speculations=5),
     dict(strategy="prompt-lookup"),
@@ -662,20 +665,22 @@ REPRO = [
 ]
 
 
+@pytest.mark.parametrize("coupling", COUPLINGS)
 @pytest.mark.parametrize("kw", REPRO, ids=["ar", "auto", "ee", "ls", "pl", "threshold", "adaptive"])
-def test_same_seed_same_output(kw):
-    """Same seed -> same tokens, on repeated calls of one model and on a fresh load."""
+def test_same_seed_same_output(kw, coupling):
+    """Same seed -> same tokens, on repeated calls of one model and on a fresh load (either
+    coupling; test_seeded: with Gumbel-max, also the same tokens whatever drafts them)."""
     hf = build_hf("qwen3", seed=0)
     m = selfspec.load(hf, dtype="float32")
     fresh = selfspec.load(hf, dtype="float32")
     prompt = prompts(n=1)[0]
     for seed in range(3):
         for top_k in (None, 20):
-            opts = dict(max_new_tokens=30, temperature=1.0, top_k=top_k, seed=seed, **kw)
+            opts = dict(max_new_tokens=30, temperature=1.0, top_k=top_k, seed=seed, coupling=coupling, **kw)
             runs = [m.generate(prompt, **opts).token_ids for _ in range(3)]
             again = fresh.generate(prompt, **opts).token_ids
             assert runs[0] == runs[1] == runs[2] == again, f"seed {seed}, top_k {top_k}"
-    others = {tuple(m.generate(prompt, max_new_tokens=24, temperature=1.0, seed=s, **kw).token_ids) for s in range(4)}
+    others = {tuple(m.generate(prompt, max_new_tokens=24, temperature=1.0, seed=s, coupling=coupling, **kw).token_ids) for s in range(4)}
     assert len(others) > 1  # the seed matters
 
 

@@ -333,6 +333,24 @@ def test_sampling_with_seed_is_reproducible_and_matches_direct(client, model):
     assert outs[0] == outs[1] == ref.text
 
 
+def test_a_seed_is_one_text_and_the_fingerprint_names_the_rule(client, model):
+    """Gumbel-max coupling (the default): a seeded request's text is seeded autoregressive
+    sampling's, whatever strategy the request drafts with; 'selfspec.coupling' picks the rule
+    per request, and system_fingerprint names it."""
+    kw = dict(temperature=0.9, top_p=0.95, seed=77)
+    for coupling in ("gumbel", "rejection"):  # rejection: the served draft's own text (direct: the same strategy)
+        ref = (ar_generate if coupling == "gumbel" else direct)(model, PROMPTS[1], max_new_tokens=30, coupling=coupling, **kw)
+        exts = [{"coupling": coupling}] + ([{"coupling": "gumbel", "strategy": "prompt-lookup"}, {"num_speculations": 6}]
+                                           if coupling == "gumbel" else [])
+        for ext in exts:
+            r = client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=30, extra_body={"selfspec": ext}, **kw)
+            assert r.choices[0].text == ref.text, ext
+            assert r.system_fingerprint.endswith(f"-{coupling}-{model.runtime.numerics}")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt="Hi", max_tokens=5, extra_body={"selfspec": {"coupling": "exact"}})
+    assert "gumbel, rejection" in str(e.value)
+
+
 def test_per_request_strategy_within_limits(client, model):
     ref = ar_generate(model, PROMPTS[0], max_new_tokens=40)
     for ext in ({"strategy": "prompt-lookup", "max_ngram": 2}, {"strategy": "autoregressive"},
@@ -387,6 +405,8 @@ ERROR_CASES = [
     ("/v1/completions", {"model": NAME, "prompt": "Hi", "presence_penalty": 0.5}, 400, "unsupported_parameter"),
     ("/v1/completions", {"model": NAME, "prompt": "Hi", "frobnicate": 1}, 400, "unrecognized_argument"),
     ("/v1/completions", {"model": NAME, "prompt": "Hi", "selfspec": "fast"}, 400, "invalid_type"),
+    ("/v1/completions", {"model": NAME, "prompt": "Hi", "selfspec": {"coupling": 1}}, 400, "invalid_type"),
+    ("/v1/completions", {"model": NAME, "prompt": "Hi", "selfspec": {"coupling": "gumbal"}}, 400, "invalid_value"),
     ("/v1/chat/completions", {"model": NAME, "messages": "Hi"}, 400, "invalid_type"),
     ("/v1/chat/completions", {"model": NAME, "messages": []}, 400, "empty_prompt"),
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": ""}]}, 400, "empty_prompt"),
@@ -771,7 +791,7 @@ def test_operator_limits_and_settings_validation(model):
 
 def test_cli_rejects_bad_options_before_loading(tiny_dir):
     for args, fragment in ((["--max-concurrency", "0"], "max_concurrency"), (["--allowed-strategies", "warp"], "warp"),
-                           (["--port", "70000"], "--port")):
+                           (["--port", "70000"], "--port"), (["--coupling", "exact"], "coupling")):
         p = subprocess.run([sys.executable, "-m", "selfspec", "serve", "--model", str(tiny_dir), *args], capture_output=True,
                            text=True, env=SUBPROCESS_ENV, timeout=60)
         assert p.returncode == 2 and fragment in p.stderr, p.stderr

@@ -46,9 +46,7 @@ from selfspec.cache import CachePool
 from selfspec.config import MAX_SPECULATIONS
 from selfspec.drafters import EarlyExitDrafter
 from selfspec.drafters.base import Draft
-from selfspec.engine import step_room
-from selfspec.sampling import Rows
-from selfspec.verification import greedy_accept, speculative_accept
+from selfspec.engine import accept, step_room
 
 PREFILL_ROWS_PER_CORE = 32  # default prefill chunk per CPU core (see default_prefill_chunk)
 PREFILL_PATIENCE = 4  # steps a newcomer may be passed over by shorter prompts before it goes first
@@ -396,10 +394,7 @@ class BatchEngine:
 
     def _accept(self, s: Sequence, logits: torch.Tensor) -> None:
         d, step = s.draft, s.step
-        if s.req.sampling.greedy:
-            n, nxt = greedy_accept(d.tokens, logits)
-        else:
-            n, nxt = speculative_accept(d.tokens, d.dists, Rows(logits, s.req.sampling), s.rng)
+        n, nxt = accept(step, d, logits)
         a = s.auto
         if a is not None and not (s.req.sampling.greedy and self.plan_drafts):
             a.accepted(step, d, n)  # auto's own bookkeeping (and its base's)
@@ -427,10 +422,7 @@ class BatchEngine:
             t1 = clock()
             logits = s.drafter.verify(step, d)
         s.draft = d
-        if s.req.sampling.greedy:
-            n, nxt = greedy_accept(d.tokens, logits)
-        else:
-            n, nxt = speculative_accept(d.tokens, d.dists, Rows(logits, s.req.sampling), s.rng)
+        n, nxt = accept(step, d, logits)
         s.drafter.accepted(step, d, n)
         s.stats.time_draft_s += t1 - t0
         s.stats.time_verify_s += clock() - t1

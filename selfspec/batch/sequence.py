@@ -30,9 +30,10 @@ from selfspec.config import DraftConfig, GenerationConfig, SamplingConfig
 from selfspec.drafters import (AutoDrafter, Drafter, EarlyExitDrafter, ExitAdapterDrafter, LayerSkipDrafter,
                                LookupFirstDrafter, PromptLookupDrafter)
 from selfspec.drafters.base import Draft, Step
-from selfspec.engine import GenerationResult, GenerationStats, StreamEvent, _Output, step_room
+from selfspec.engine import GenerationResult, GenerationStats, StreamEvent, _Output, sample_token, step_room
 from selfspec.lookup import until_eos
-from selfspec.sampling import distribution, make_rng
+from selfspec.coupling import noise_key
+from selfspec.sampling import make_rng
 
 _ids = itertools.count(1)
 COPY_PRIOR = (4.0, 1.0)  # a hot copy's tokens: accepted 0.83-0.87 each on the default model (look_up)
@@ -110,6 +111,7 @@ class Sequence:
         self.handle, self.req, self.drafter, self.cache = handle, req, drafter, cache
         self.kind = "solo" if isinstance(drafter, AutoDrafter) and drafter.choose_base is not None else kind_of(drafter)
         self.rng = make_rng(req.sampling.seed, cache.kt.device)
+        self.key = noise_key(req.sampling)
         self.out = _Output(tokenizer, req.gen, eos_ids, req.on_event)
         self.stats = GenerationStats(prompt_tokens=len(req.prompt_ids))
         self.tokens: list[int] = list(req.prompt_ids)
@@ -194,7 +196,8 @@ class Sequence:
         K = self.max_draft
         if not self.stats.per_position_drafted and K:
             self.stats.per_position_drafted, self.stats.per_position_accepted = [0] * K, [0] * K
-        self.step = Step(self.tokens, len(self.tokens) - 1, min(K, self.remaining - 1), self.cache, self.req.sampling, self.rng)
+        self.step = Step(self.tokens, len(self.tokens) - 1, min(K, self.remaining - 1), self.cache, self.req.sampling, self.rng,
+                         key=self.key)
         self.draft, self.exit_h = Draft(), []
         self.copying = False
         return self.step
@@ -204,8 +207,7 @@ class Sequence:
     def pick_first(self, logits: torch.Tensor | int) -> None:
         """The first new token from the prompt's last logits [V] (greedy: its argmax token, as
         prefill gives it), as `generate` picks it."""
-        s = self.req.sampling
-        first = logits if s.greedy else distribution(logits, s).draw(self.rng)
+        first = sample_token(logits, self.req.sampling, self.rng, self.key, len(self.req.prompt_ids))
         now = self.clock()
         self.stats.time_prefill_s = self.stats.time_to_first_token_s = now - self.t_start
         self.tokens.append(first)

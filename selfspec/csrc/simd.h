@@ -68,6 +68,7 @@ SS_ALWAYS m16 vf_cmp_gt(vf16 a, vf16 b) { return _mm512_cmp_ps_mask(a, b, _CMP_G
 SS_ALWAYS vf16 vf_maskz_mov(m16 k, vf16 a) { return _mm512_maskz_mov_ps(k, a); }
 SS_ALWAYS vf16 vf_mask_add(vf16 src, m16 k, vf16 a, vf16 b) { return _mm512_mask_add_ps(src, k, a, b); }
 SS_ALWAYS vf16 vf_mask_min(vf16 src, m16 k, vf16 a, vf16 b) { return _mm512_mask_min_ps(src, k, a, b); }
+SS_ALWAYS vf16 vf_mask_max(vf16 src, m16 k, vf16 a, vf16 b) { return _mm512_mask_max_ps(src, k, a, b); }
 /* the lanes of k, in order, to xs[0..] and base + lane to ids[0..]; returns how many */
 SS_ALWAYS int vf_compress_store(float *xs, int32_t *ids, m16 k, vf16 x, int32_t base) {
     const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -203,6 +204,7 @@ SS_ALWAYS vf16 ss_blend(vf16 src, m16 k, vf16 v) {
 }
 SS_ALWAYS vf16 vf_mask_add(vf16 src, m16 k, vf16 a, vf16 b) { return ss_blend(src, k, vf_add(a, b)); }
 SS_ALWAYS vf16 vf_mask_min(vf16 src, m16 k, vf16 a, vf16 b) { return ss_blend(src, k, vf_min(a, b)); }
+SS_ALWAYS vf16 vf_mask_max(vf16 src, m16 k, vf16 a, vf16 b) { return ss_blend(src, k, vf_max(a, b)); }
 SS_ALWAYS int vf_compress_store(float *xs, int32_t *ids, m16 k, vf16 x, int32_t base) {
     float l[16];
     int c = 0;

@@ -193,6 +193,8 @@ class AutoDrafter(Drafter):
             return
         # Greedy only: when sampling, the choice of k decides how the RNG is consumed, and a seed
         # must reproduce the output, so decisions there depend on acceptance and the costs alone.
+        # (With Gumbel-max coupling a choice of k cannot change the text, so learning from step
+        # times would be allowed there too: not done, unmeasured.)
         # (An engine that runs the passes itself never calls verify(): no split, nothing learnt.)
         if self.timing and step.sampling.greedy and self._t_verify is not None:
             self._learn_rho(d, len(draft.tokens), self._t_verify - self._t0, self._clock() - self._t_verify)

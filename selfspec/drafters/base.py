@@ -43,6 +43,7 @@ class Step:
     sampling: SamplingConfig
     rng: torch.Generator
     room: int = 0  # greedy: the most tokens a draft may hold when those past k are copies (0: k)
+    key: int | None = None  # sampling with Gumbel-max coupling: the noise's key (coupling.noise_key); None: draws from rng
 
 
 @dataclass

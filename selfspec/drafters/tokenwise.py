@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from selfspec.drafters.base import Draft, Drafter, Step
+from selfspec.coupling import gumbel_max, gumbel_token
 from selfspec.sampling import SubVocab, distribution
 
 
@@ -77,9 +78,12 @@ class TokenDrafter(Drafter):
             if self.threshold is not None and float(logits.softmax(-1)[idx]) < self.threshold.gamma:
                 return False
             token = idx if self.vocab is None else int(self.vocab[idx])
+        elif step.key is not None and self.threshold is None:  # Gumbel-max, no confidence to read: no distribution
+            token = gumbel_token(logits, step.sampling, step.key, step.pos + 1 + len(draft.tokens), self.sub)
         else:
             q = distribution(logits, step.sampling, self.sub)  # over the full vocabulary's ids
-            token = q.draw(step.rng)
+            # the draft token takes position pos + 1 + len(tokens): Gumbel-max with its noise, or a draw
+            token = gumbel_max(q, step.key, step.pos + 1 + len(draft.tokens)) if step.key is not None else q.draw(step.rng)
             if self.threshold is not None and q.top_prob() < self.threshold.gamma:
                 return False
             draft.dists.append(q)

@@ -1,5 +1,6 @@
-"""The entry points of csrc/sampling.c: one row's top-k/top-p distribution and draws (used
-by selfspec/sampling.py)."""
+"""The entry points of csrc/sampling.c (one row's top-k/top-p distribution and draws) and
+csrc/gumbel.c (Gumbel noise keyed by seed, position and token; one row's Gumbel-max pick),
+used by selfspec/sampling.py and selfspec/coupling.py."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ _sampling: dict = {}
 
 
 def sampling_functions() -> dict | None:
-    """{"dist": selfspec_sample_dist, "draw": selfspec_sample_draw} as ctypes functions, or
-    None when not available()."""
+    """{"dist": selfspec_sample_dist, "draw": selfspec_sample_draw, "noise": selfspec_gumbel_noise,
+    "pick": selfspec_gumbel_pick, "philox": selfspec_philox4x32} as ctypes functions, or None when
+    not available()."""
     if not available():
         return None
     if not _sampling:
@@ -28,5 +30,14 @@ def sampling_functions() -> dict | None:
             draw.restype = c_long
             draw.argtypes = [p, c_long, c_float, c_float, c_float, c_double, p,
                              p, p, c_long, c_float, c_float, c_float, c_double, p, c_double, p]
-            _sampling.update(dist=dist, draw=draw)
+            noise = dll.selfspec_gumbel_noise
+            noise.restype = None
+            noise.argtypes = [ctypes.c_uint64, ctypes.c_int64, p, c_long, p]
+            pick = dll.selfspec_gumbel_pick
+            pick.restype = c_long
+            pick.argtypes = [p, c_long, c_float, c_float, p, ctypes.c_uint64, ctypes.c_int64, p]
+            philox = dll.selfspec_philox4x32
+            philox.restype = None
+            philox.argtypes = [p, p, p]
+            _sampling.update(dist=dist, draw=draw, noise=noise, pick=pick, philox=philox)
     return _sampling

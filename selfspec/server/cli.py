@@ -15,7 +15,7 @@ import torch
 
 from selfspec.batch.engine import default_prefill_chunk
 from selfspec.cli_args import add_chat_template_arg, add_draft_args, add_model_args, check_before_loading, choice, draft_config_from_args, load_model
-from selfspec.config import MAX_SPECULATIONS, STRATEGIES
+from selfspec.config import COUPLINGS, MAX_SPECULATIONS, STRATEGIES, SamplingConfig
 from selfspec.errors import SelfSpecError
 from selfspec.server.ray_deploy import serve_with_ray
 from selfspec.server.settings import PROMPT_TOKENS_PER_CORE, ServerSettings, default_max_batch
@@ -59,6 +59,9 @@ def register(subparsers) -> None:
     p.add_argument("--max-num-speculations", type=int, default=MAX_SPECULATIONS,
                    help="the largest num_speculations a request may ask for (default: %(default)s)")
     p.add_argument("--no-request-draft", action="store_true", help="reject per-request 'selfspec' draft options")
+    p.add_argument("--coupling", type=choice(COUPLINGS, "coupling"), default=SamplingConfig.coupling,
+                   help="how sampled requests accept drafts unless they say ('selfspec': {'coupling': ...}): gumbel (a seed "
+                        "is one text, whatever the load, threads or draft) or rejection (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads for the engine (default: torch's choice; 1 is often faster for small models "
                         "on a busy machine)")
@@ -94,6 +97,7 @@ def settings_from_args(args) -> ServerSettings:
         max_prompt_tokens=args.max_prompt_tokens,
         max_batch=args.max_batch,
         prefill_chunk=args.prefill_chunk,
+        coupling=args.coupling,
     )
 
 
@@ -140,7 +144,7 @@ def cmd_serve(args) -> int:
         warmup(model, draft)
     app = create_app(model, draft, settings)
     print(f"selfspec: serving {settings.model_name} ({draft.strategy}; chat template: {model.chat_template_source}; "
-          f"arithmetic: {model.runtime.numerics}) "
+          f"arithmetic: {model.runtime.numerics}; sampling: {settings.coupling} coupling) "
           f"on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False, log_level=args.log_level,
                 timeout_graceful_shutdown=5)

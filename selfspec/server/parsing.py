@@ -12,7 +12,9 @@ Request fields honoured: model, max_tokens (chat: also max_completion_tokens), t
 (string or list), n (1 only), stream, stream_options.include_usage, user (ignored), and the
 extension object `"selfspec": {"strategy": ..., "exit_layer": ..., ...}` which changes the
 draft configuration for this request only, within the operator's limits. An option the
-chosen strategy does not use is an error (DraftConfig's own rule), as on the CLI.
+chosen strategy does not use is an error (DraftConfig's own rule), as on the CLI. Its
+"coupling" ("gumbel" or "rejection": SamplingConfig.coupling; the server's when absent) is a
+sampling option, accepted even where draft options are not.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from selfspec.config import STRATEGIES, ConfigError, ConfigTypeError, DraftConfig, SamplingConfig, typed
+from selfspec.config import COUPLINGS, STRATEGIES, ConfigError, ConfigTypeError, DraftConfig, SamplingConfig, typed
 from selfspec.errors import SelfSpecError
 from selfspec.server.errors import APIError, bad
 from selfspec.server.settings import MAX_REQUEST_NGRAM, REQUEST_DRAFT_OPTIONS, PromptLimits, ServerSettings
@@ -143,9 +145,10 @@ def parse_request(body: dict, chat: bool, ctx: ParseContext) -> Request:
         raise bad("Only n=1 is supported (one completion per request).", param="n", code="unsupported_parameter")
     stream, include_usage = _parse_stream(body)
     max_tokens = _parse_max_tokens(body, chat, ctx.settings)
-    sampling = parse_sampling(body)
+    coupling, ext = parse_coupling(body.get("selfspec"), ctx.settings.coupling)
+    sampling = replace(parse_sampling(body), coupling=coupling)
     stop = parse_stop(body.get("stop"), ctx.settings.max_stop)
-    draft = parse_draft(body.get("selfspec"), ctx)
+    draft = parse_draft(ext, ctx)
     common = dict(chat=chat, model=model, max_tokens=max_tokens, sampling=sampling, stop=stop, stream=stream,
                   include_usage=include_usage, draft=draft)
     if chat:
@@ -256,6 +259,20 @@ def parse_stop(stop, max_stop: int) -> tuple[str, ...]:
     if len(stop) > max_stop:
         raise bad(f"At most {max_stop} stop strings are allowed.", param="stop", code="invalid_value")
     return tuple(s for s in stop if s)
+
+
+def parse_coupling(ext, default: str):
+    """(the request's coupling, the `selfspec` object without it): the server's rule when the
+    object names none."""
+    if not isinstance(ext, dict) or "coupling" not in ext:
+        return default, ext
+    c = ext["coupling"]
+    if not isinstance(c, str):
+        raise bad("'selfspec.coupling' must be a string.", param="selfspec.coupling", code="invalid_type")
+    if c not in COUPLINGS:
+        raise bad(f"'selfspec.coupling' must be one of {', '.join(COUPLINGS)}, got {c!r}.", param="selfspec.coupling",
+                  code="invalid_value")
+    return c, {k: v for k, v in ext.items() if k != "coupling"}
 
 
 def parse_draft(ext, ctx: ParseContext) -> DraftConfig:

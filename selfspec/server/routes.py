@@ -53,14 +53,22 @@ class Server:
         self.ctx = ParseContext.for_model(model, draft_config, settings)
         self.created = int(time.time())
         fp = getattr(model, "fingerprint", "") or ""
-        # OpenAI's system_fingerprint: what may change outputs; the arithmetic too (Runtime.numerics)
-        self.fingerprint = "-".join(["selfspec", *([fp] if fp else []), model.runtime.numerics])
+        # OpenAI's system_fingerprint: what may change outputs: the model, a sampled request's
+        # coupling (fingerprint_of: each response names its own), the arithmetic (Runtime.numerics)
+        self._fingerprint_parts = ["selfspec", *([fp] if fp else [])], model.runtime.numerics
+        self.fingerprint = self.fingerprint_of(settings.coupling)
         self.metrics = Metrics(settings.model_name, fp, draft_config.strategy)
         self.admission = Admission(settings, self.metrics)
         self.worker = Worker(model, settings, self.metrics, self.admission)
         # Tokenizing a prompt (up to the character bound) takes a while: never on the event loop.
         self.tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="selfspec-tokenize")
         self.headers = {"X-SelfSpec-Replica": settings.replica_id} if settings.replica_id else {}
+
+    def fingerprint_of(self, coupling: str) -> str:
+        """The system_fingerprint of responses sampled with `coupling` (SamplingConfig.coupling):
+        selfspec-<model>-<coupling>-<numerics>."""
+        head, numerics = self._fingerprint_parts
+        return "-".join([*head, coupling, numerics])
 
     def shutdown(self) -> None:
         self.worker.shutdown()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
-from selfspec.config import MAX_SPECULATIONS, STRATEGIES, coerce_fields
+from selfspec.config import COUPLINGS, MAX_SPECULATIONS, STRATEGIES, SamplingConfig, coerce_fields
 from selfspec.errors import SelfSpecError
 
 # Draft options a request may set in its `selfspec` object. Never draft_model (a path on the
@@ -47,6 +47,7 @@ class ServerSettings:
     prefill_chunk: int | None = None  # prompt rows per batch step (running streams wait one chunk, not a prompt); None: batch.default_prefill_chunk()
     max_batch: int | None = None  # sequences decoding at once; None: default_max_batch() (from the CPU count)
     replica_id: str = ""  # shown in the X-SelfSpec-Replica header and the stats (Ray Serve)
+    coupling: str = SamplingConfig.coupling  # sampled requests' rule unless they name one ("selfspec": {"coupling": ...})
 
     def __post_init__(self):
         coerce_fields(self)
@@ -70,6 +71,8 @@ class ServerSettings:
             bad = [s for s in self.allowed_strategies if s not in STRATEGIES]
             if bad:
                 raise SelfSpecError(f"unknown strategy {bad[0]!r} in allowed strategies; choose from {', '.join(STRATEGIES)}")
+        if self.coupling not in COUPLINGS:
+            raise SelfSpecError(f"unknown coupling {self.coupling!r}; choose from {', '.join(COUPLINGS)}")
         self.default_max_tokens = min(self.default_max_tokens, self.max_new_tokens_limit)
         if self.api_key == "":
             self.api_key = None

@@ -100,7 +100,7 @@ def plain_body(srv, job, result, chat: bool) -> tuple[dict, str]:
     else:
         choice["text"] = result.text
     body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": job.params.model, "system_fingerprint": srv.fingerprint, "choices": [choice],
+            "model": job.params.model, "system_fingerprint": srv.fingerprint_of(job.params.sampling.coupling), "choices": [choice],
             "usage": usage(result), "selfspec": stats(srv, job, result)}
     return body, rid
 
@@ -113,7 +113,8 @@ class _Chunks:
         self.chat = chat
         self.include_usage = job.params.include_usage
         self.base = {"id": self.rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                     "created": int(time.time()), "model": job.params.model, "system_fingerprint": srv.fingerprint}
+                     "created": int(time.time()), "model": job.params.model,
+                     "system_fingerprint": srv.fingerprint_of(job.params.sampling.coupling)}
 
     def chunk(self, delta_text: str | None, finish: str | None = None, role: bool = False) -> str:
         if self.chat:

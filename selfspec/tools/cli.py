@@ -76,7 +76,7 @@ def _check_common(args) -> None:
 def _settings(args):
     sampling = SamplingConfig(**config_kwargs(args, SamplingConfig))  # validates
     return Settings(args.max_new_tokens, sampling.temperature, sampling.top_k, sampling.top_p,
-                    sampling.seed if sampling.seed is not None else 0)
+                    sampling.seed if sampling.seed is not None else 0, sampling.coupling)
 
 
 def _console():

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from selfspec import kernels
-from selfspec.config import DraftConfig
+from selfspec.config import DraftConfig, SamplingConfig
 from selfspec.errors import SelfSpecError
 from selfspec.profiles import atomic_write_text
 from selfspec.tools.datasets import Dataset, Sample
@@ -130,6 +130,7 @@ class Settings:
     top_k: int | None = None
     top_p: float | None = None
     seed: int = 0
+    coupling: str = SamplingConfig.coupling
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -161,6 +162,7 @@ def measured_generate(model, prompt: str, draft: DraftConfig, settings: Settings
             top_k=settings.top_k,
             top_p=settings.top_p,
             seed=seed,
+            coupling=settings.coupling,
             draft=draft,
         )
     finally:

@@ -1,0 +1,258 @@
+/* Gumbel noise keyed by (seed, position, token), and the Gumbel-max pick of one row: the
+ * sampling rule that makes a seed one text (selfspec/coupling.py, Gumbel-max coupling;
+ * its torch implementation, gumbel_noise_torch, computes the very same bits).
+ *
+ * Bits: Philox4x32-10 (Salmon, Moraes, Dror, Shaw, SC'11), counter (t / 4, pos lo, pos hi,
+ *   DOMAIN), key (seed lo, seed hi); token t takes word t % 4 of its counter's output b.
+ * Noise, fp32, every operation a separate IEEE one (no fma: fp-contract off; no library
+ *   function), so the same bits on any ISA, vectorised or not, and in torch:
+ *     w = (b + 1/2) 2^-32 as fp32 (2^-24 floor(b / 2^8) plus 2^-32 (b mod 2^8 + 1/2): one
+ *         rounding), at most 1 - 2^-24                        uniform in (0, 1)
+ *     E = -log(1 - w)                                         Exp(1); for w < 1/16 by its series
+ *                                                             w (1 + w/2 + ... + w^7/8), which keeps full
+ *                                                             relative precision where E is small: the
+ *                                                             noise of tokens that win against the odds
+ *     g = -log(E)                                             standard Gumbel, in [-2.82, 22.88]
+ *   log is Cephes' logf (frexp reduction to [sqrt(1/2), sqrt(2)), degree-8 polynomial, ~1 ulp).
+ * Pick: argmax_j fl(x_j + g(seed, pos, token_j)) over the support {x_j >= tau, x_j finite},
+ *   x_j = l_j / T (fp32 division, as the distribution's), ties to the lowest j. Exact, and
+ *   cheap on a whole vocabulary: an entry with fl(x_j + GMAX) < the best score so far cannot
+ *   win (g <= GMAX, rounding is monotone) and is passed over; the rest get their bits, and
+ *   logarithms only where the bits leave them a chance (score_chunk).
+ */
+#pragma GCC optimize("fp-contract=off")
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include "simd.h"
+
+#define PH_M0 0xD2511F53u
+#define PH_M1 0xCD9E8D57u
+#define PH_W0 0x9E3779B9u
+#define PH_W1 0xBB67AE85u
+#define DOMAIN 0x47756D62u /* "Gumb": this counter space is the Gumbel noise's */
+#define GMAX 23.0f         /* > every g (w >= 2^-33: E >= 1.16e-10, g <= 22.88) */
+#define CHUNK 512          /* candidates collected before they are scored */
+
+static inline void philox4x32_10(uint32_t c[4], uint32_t k0, uint32_t k1) {
+#pragma GCC unroll 10
+    for (int r = 0; r < 10; r++) {
+        uint64_t p0 = (uint64_t)PH_M0 * c[0], p1 = (uint64_t)PH_M1 * c[2];
+        uint32_t n0 = (uint32_t)(p1 >> 32) ^ c[1] ^ k0, n2 = (uint32_t)(p0 >> 32) ^ c[3] ^ k1;
+        c[0] = n0; c[1] = (uint32_t)p1; c[2] = n2; c[3] = (uint32_t)p0;
+        k0 += PH_W0; k1 += PH_W1;
+    }
+}
+
+/* the raw generator, for known-answer tests: out = Philox4x32-10(ctr, key) */
+void selfspec_philox4x32(const uint32_t *ctr, const uint32_t *key, uint32_t *out) {
+    uint32_t c[4] = {ctr[0], ctr[1], ctr[2], ctr[3]};
+    philox4x32_10(c, key[0], key[1]);
+    memcpy(out, c, sizeof(c));
+}
+
+/* 8 lanes at a time in GCC's vector extensions: integer and IEEE lane-wise operations only,
+ * the same bits as the scalar code they spell out (AVX-512, AVX2: the compiler's choice) */
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef uint64_t u64x8 __attribute__((vector_size(64)));
+typedef float f32x8 __attribute__((vector_size(32)));
+
+static inline f32x8 sel(i32x8 mask, f32x8 a, f32x8 b) {  /* mask lanes all ones: a, else b */
+    return (f32x8)(((i32x8)a & mask) | ((i32x8)b & ~mask));
+}
+static inline f32x8 fill(float v) { return (f32x8){v, v, v, v, v, v, v, v}; }
+
+/* log(y) for normal, finite y > 0 (Cephes logf) */
+static inline f32x8 log_v(f32x8 y) {
+    i32x8 bits = (i32x8)y;
+    i32x8 e = ((bits >> 23) & 0xFF) - 126;                    /* y = m 2^e, m in [0.5, 1) */
+    f32x8 m = (f32x8)((bits & 0x007FFFFF) | 0x3F000000);
+    i32x8 low = m < fill(0.707106781186547524f);
+    f32x8 f = sel(low, (m + m) - 1.0f, m - 1.0f);             /* exact */
+    f32x8 fe = __builtin_convertvector(e + low, f32x8);       /* low lanes: e - 1 (low is -1 there) */
+    f32x8 z = f * f;
+    f32x8 p = fill(7.0376836292E-2f);
+    p = p * f + -1.1514610310E-1f;
+    p = p * f + 1.1676998740E-1f;
+    p = p * f + -1.2420140846E-1f;
+    p = p * f + 1.4249322787E-1f;
+    p = p * f + -1.6668057665E-1f;
+    p = p * f + 2.0000714765E-1f;
+    p = p * f + -2.4999993993E-1f;
+    p = p * f + 3.3333331174E-1f;
+    p = p * f * z;
+    p = p + fe * -2.12194440E-4f;
+    p = p + -0.5f * z;
+    f32x8 r = f + p;
+    return r + fe * 0.693359375f;
+}
+
+/* the noise of 8 words of bits (module doc) */
+static inline f32x8 gumbel_v(u32x8 b) {
+    f32x8 hi = __builtin_convertvector((i32x8)(b >> 8), f32x8);     /* exact: < 2^24 */
+    f32x8 lo = __builtin_convertvector((i32x8)(b & 0xFF), f32x8) + 0.5f;
+    f32x8 w = hi * 0x1p-24f + lo * 0x1p-32f;                          /* (b + 1/2) 2^-32, one rounding */
+    f32x8 top = fill(0x1.fffffep-1f);
+    w = sel(w < top, w, top);
+    f32x8 s = fill(0.125f);                                           /* the series, Horner from w^7/8 */
+    s = s * w + 0.142857142857142857f;
+    s = s * w + 0.166666666666666667f;
+    s = s * w + 0.2f;
+    s = s * w + 0.25f;
+    s = s * w + 0.333333333333333333f;
+    s = s * w + 0.5f;
+    s = s * w + 1.0f;
+    f32x8 E = sel(w < 0.0625f, s * w, -log_v(1.0f - w));
+    return -log_v(E);
+}
+
+/* (a mod 2^32) m in 64 bits, lane-wise: VPMULUDQ (GCC's own choice, VPMULLQ, is ~3x slower) */
+static inline u64x8 mul32(u64x8 a, uint32_t m) {
+#ifdef __AVX512F__
+    return (u64x8)_mm512_mul_epu32((__m512i)a, _mm512_set1_epi64(m));
+#else
+    __m256i h[2];
+    memcpy(h, &a, sizeof(h));
+    h[0] = _mm256_mul_epu32(h[0], _mm256_set1_epi64x(m));
+    h[1] = _mm256_mul_epu32(h[1], _mm256_set1_epi64x(m));
+    memcpy(&a, h, sizeof(h));
+    return a;
+#endif
+}
+
+/* Philox4x32-10 of 8 counters (c0, plo, phi, DOMAIN), 32-bit words in 64-bit lanes: the word
+ * t % 4 of each */
+static inline u32x8 bits_v(uint32_t k0, uint32_t k1, uint32_t plo, uint32_t phi, u64x8 c0, u64x8 word) {
+    const uint64_t lo32 = 0xFFFFFFFFu;
+    u64x8 c1 = c0 * 0 + plo, c2 = c0 * 0 + phi, c3 = c0 * 0 + DOMAIN;
+#pragma GCC unroll 10
+    for (int r = 0; r < 10; r++) {
+        u64x8 p0 = mul32(c0, PH_M0), p1 = mul32(c2, PH_M1);
+        c0 = (p1 >> 32) ^ c1 ^ k0;
+        c2 = (p0 >> 32) ^ c3 ^ k1;
+        c1 = p1 & lo32;
+        c3 = p0 & lo32;
+        k0 += PH_W0; k1 += PH_W1;
+    }
+    u64x8 w0 = (u64x8)(word == 0), w1 = (u64x8)(word == 1), w2 = (u64x8)(word == 2);
+    return __builtin_convertvector((c0 & w0) | (c1 & w1) | (c2 & w2) | (c3 & ~(w0 | w1 | w2)), u32x8);
+}
+
+/* 8 tokens of tokens[i..n) as counters and words (lanes past n: token 0) */
+static inline void load_tokens(const int64_t *tokens, long i, long n, u64x8 *c0, u64x8 *word) {
+    u64x8 t;
+    if (i + 8 <= n) memcpy(&t, tokens + i, sizeof(t));
+    else for (int j = 0; j < 8; j++) t[j] = i + j < n ? (uint64_t)tokens[i + j] : 0;
+    *c0 = (t >> 2) & 0xFFFFFFFFu;
+    *word = t & 3;
+}
+
+typedef struct { uint32_t k0, k1, plo, phi; } nkey_t;
+
+static inline nkey_t key_of(uint64_t seed, int64_t pos) {
+    return (nkey_t){(uint32_t)seed, (uint32_t)(seed >> 32), (uint32_t)pos, (uint32_t)((uint64_t)pos >> 32)};
+}
+
+/* g(seed, pos, tokens[i]) -> g[i], i < n */
+void selfspec_gumbel_noise(uint64_t seed, int64_t pos, const int64_t *tokens, long n, float *g) {
+    nkey_t k = key_of(seed, pos);
+    for (long i = 0; i < n; i += 8) {
+        u64x8 c0, word;
+        load_tokens(tokens, i, n, &c0, &word);
+        f32x8 v = gumbel_v(bits_v(k.k0, k.k1, k.plo, k.phi, c0, word));
+        if (i + 8 <= n) memcpy(g + i, &v, sizeof(v));
+        else for (int j = 0; i + j < n; j++) g[i + j] = v[j];
+    }
+}
+
+typedef struct { float s; long j; } best_t;  /* the best score so far and its entry (-1: none) */
+
+static inline void consider(best_t *b, float s, long j) {
+    if (b->j < 0 || s > b->s || (s == b->s && j < b->j)) { b->s = s; b->j = j; }
+}
+
+/* Candidates (entries ent, values xs, tokens tok; n of them) against the best score *b.
+ * One at d = best - x wins only with g >= d, i.e. E <= e^-d. Its bits alone bound E from
+ * below: E >= w (the series is w times a sum >= 1; -log(1 - w) >= w) and w >= 2^-24 hb,
+ * hb = floor(b / 2^8) (w's first part). So where 2^-24 hb > e^-d (with d less its rounding,
+ * a slack of 0.01 in log2, and d > 3, past the log branch's g <= 2.75), the candidate cannot
+ * win and needs no logarithm: of the candidates at d only a share ~e^-d gets them. */
+static void score_chunk(nkey_t k, const int32_t *ent, const float *xs, const int64_t *tok, long n, best_t *b) {
+    for (long i = 0; i < n; i += 8) {
+        u64x8 c0, word;
+        load_tokens(tok, i, n, &c0, &word);
+        u32x8 bits = bits_v(k.k0, k.k1, k.plo, k.phi, c0, word);
+        f32x8 x = fill(-INFINITY);
+        if (i + 8 <= n) memcpy(&x, xs + i, sizeof(x));
+        else for (int j = 0; i + j < n; j++) x[j] = xs[i + j];
+        f32x8 best = fill(b->s);
+        f32x8 ax = sel(x < 0.0f, -x, x), ab = sel(best < 0.0f, -best, best);
+        f32x8 d = (best - x) - (ab + ax + 1.0f) * 0x1p-18f;            /* at most d, surely */
+        i32x8 hb = (i32x8)(bits >> 8);
+        f32x8 fh = __builtin_convertvector(hb, f32x8);                  /* exact: < 2^24 */
+        f32x8 lg = __builtin_convertvector((((i32x8)fh >> 23) & 0xFF) - 127, f32x8);  /* floor(log2 hb) */
+        i32x8 out = (d > 3.0f) & (hb > 0) & (lg > d * -1.44269504f + 24.01f);
+        i32x8 live = ~out & (x > -INFINITY);
+        if (!(live[0] | live[1] | live[2] | live[3] | live[4] | live[5] | live[6] | live[7])) continue;
+        f32x8 s = x + gumbel_v(bits);
+        for (int j = 0; j < 8; j++)
+            if (live[j]) consider(b, s[j], ent[i + j]);
+    }
+}
+
+/* The Gumbel-max pick of one row (module doc): l [n] logits, T temperature (1: no division),
+ * support {x >= tau} (tau = -FLT_MAX: every finite entry), ids [n] the entries' token ids (NULL:
+ * entry j is token j). Returns the entry, -1 when the support is empty, -2 when out of memory;
+ * *score (nullable) gets its score. */
+long selfspec_gumbel_pick(const float *l, long n, float T, float tau, const int64_t *ids, uint64_t seed, int64_t pos,
+                          float *score) {
+    int div = T != 1.0f;
+    nkey_t k = key_of(seed, pos);
+    best_t b = {-INFINITY, -1};
+    /* the largest x in the support (its first entry): its score is the first bound */
+    vf16 vt = vf_set1(tau), vT = vf_set1(T), vg = vf_set1(GMAX), vinf = vf_set1(INFINITY), vm = vf_set1(-INFINITY);
+    for (long i = 0; i < n; i += 16) {
+        m16 mk = lanes16(n - i);
+        vf16 x = vf_mask_loadu(vf_set1(-INFINITY), mk, l + i);
+        if (div) x = vf_div(x, vT);
+        vm = vf_mask_max(vm, vf_cmp_ge(x, vt) & vf_cmp_gt(vinf, x) & mk, vm, x);
+    }
+    float m = vf_reduce_max(vm);
+    long jm = -1;
+    for (long i = 0; m > -INFINITY && i < n; i++)
+        if ((div ? l[i] / T : l[i]) == m) { jm = i; break; }
+    if (jm < 0) return -1;
+    int64_t t0 = ids ? ids[jm] : jm;
+    float g0;
+    selfspec_gumbel_noise(seed, pos, &t0, 1, &g0);
+    consider(&b, m + g0, jm);
+    int32_t *ent = (int32_t *)malloc(sizeof(int32_t) * (CHUNK + 16));
+    float *xs = (float *)malloc(sizeof(float) * (CHUNK + 16));
+    int64_t *tok = (int64_t *)malloc(sizeof(int64_t) * (CHUNK + 16));
+    if (!ent || !xs || !tok) { free(ent); free(xs); free(tok); return -2; }
+    long c = 0;
+    for (long i = 0; i < n; i += 16) {
+        m16 mk = lanes16(n - i);
+        vf16 x = vf_mask_loadu(vf_set1(-INFINITY), mk, l + i);
+        if (div) x = vf_div(x, vT);
+        /* in the support, finite, and not surely below the best: fl(x + GMAX) >= best */
+        m16 in = vf_cmp_ge(x, vt) & vf_cmp_gt(vinf, x) & vf_cmp_ge(vf_add(x, vg), vf_set1(b.s)) & mk;
+        if (!in) continue;
+        c += vf_compress_store(xs + c, ent + c, in, x, (int32_t)i);
+        if (c >= CHUNK || i + 16 >= n) {
+            for (long j = 0; j < c; j++) tok[j] = ids ? ids[ent[j]] : ent[j];
+            score_chunk(k, ent, xs, tok, c, &b);
+            c = 0;
+        }
+    }
+    if (c) {
+        for (long j = 0; j < c; j++) tok[j] = ids ? ids[ent[j]] : ent[j];
+        score_chunk(k, ent, xs, tok, c, &b);
+    }
+    free(ent); free(xs); free(tok);
+    if (score) *score = b.s;
+    return b.j;
+}
