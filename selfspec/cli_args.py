@@ -12,7 +12,7 @@ import typing
 from dataclasses import MISSING, fields
 
 from selfspec.chat_templates import names, resolve
-from selfspec.config import STRATEGIES, DraftConfig
+from selfspec.config import REQUIRED, STRATEGIES, DraftConfig
 from selfspec.errors import unknown_choice
 from selfspec.loading import peek_shape
 from selfspec.model import load, merge_profile_draft
@@ -102,8 +102,8 @@ def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] 
         tp = _flag_type(hints[f.name])
         default = None  # None = "not given": the dataclass (or a profile) supplies the default
         help_ = with_default(helps.get(f.name, ""), f.default)
-        if tp is bool:
-            parser.add_argument(flag, action="store_true", default=None, help=helps.get(f.name))
+        if tp is bool:  # --x / --no-x: a profile's default may be turned off
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=helps.get(f.name))
         elif f.name == "stop":
             parser.add_argument(flag, action="append", default=None, help=help_)
         elif f.name == "strategy":
@@ -148,7 +148,12 @@ def check_before_loading(args) -> None:
         return
     given = config_kwargs(args, DraftConfig)
     if args.profile is None:
-        draft = DraftConfig.from_dict(given)
+        # a required option not given may come from the model's profile (known once it loads):
+        # the others are checked now, against a stand-in for it
+        missing = [names[0] for strategy, names in REQUIRED.items()
+                   if given.get("strategy") == strategy and not any(given.get(n) for n in names)]
+        stand_in = {"exit_layer": 1, "skip_attn": (0,), "adapter": "-", "draft_model": "-"}
+        draft = DraftConfig.from_dict({**{n: stand_in[n] for n in missing}, **given})
     else:
         draft = merge_profile_draft(load_profile(args.profile).draft, given.pop("strategy", None), given)
     shape = peek_shape(args.model)

@@ -27,15 +27,22 @@ class Profile:
     model_fingerprint: str
     model_name: str = ""
     metrics: dict = field(default_factory=dict)  # e.g. measured speedup, acceptance
+    # Optional: each strategy's best measured options for this model, what a strategy named
+    # without options starts from (best_options): {strategy: {"options": {...}, "metrics": {...}}}.
+    # Older profiles have none; readers that predate it ignore it.
+    strategies: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return {
+        d = {
             "format": FORMAT,
             "model_fingerprint": self.model_fingerprint,
             "model_name": self.model_name,
             "draft": self.draft.to_dict(),
             "metrics": self.metrics,
         }
+        if self.strategies:
+            d["strategies"] = self.strategies
+        return d
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
@@ -84,7 +91,18 @@ def load_profile(path: str | os.PathLike, fingerprint: str | None = None) -> Pro
         draft = DraftConfig.from_dict(draft_d)
     except TypeError as e:
         raise SelfSpecError(f"bad draft options in {path}: {e}") from e
-    return Profile(draft, d.get("model_fingerprint", ""), d.get("model_name", ""), d.get("metrics", {}))
+    strategies = copy.deepcopy(d.get("strategies") or {})
+    for name, entry in strategies.items() if isinstance(strategies, dict) else [(None, None)]:
+        options = entry.get("options") if isinstance(entry, dict) else None
+        if isinstance(options, dict) and options.get("adapter") and not Path(options["adapter"]).is_absolute():
+            options["adapter"] = str((Path(path).parent / options["adapter"]).resolve())
+        if not isinstance(options, dict) or name in ("auto", "autoregressive"):
+            raise SelfSpecError(f"bad strategies entry {name!r} in {path}: expected {{\"options\": {{...}}, \"metrics\": {{...}}}}")
+        try:
+            DraftConfig.from_dict({**options, "strategy": name})
+        except (SelfSpecError, TypeError) as e:
+            raise SelfSpecError(f"bad options for {name} in {path}: {e}") from e
+    return Profile(draft, d.get("model_fingerprint", ""), d.get("model_name", ""), d.get("metrics", {}), strategies)
 
 
 # ---- profiles that lose -------------------------------------------------------------------
@@ -174,6 +192,25 @@ def installed_profile(fingerprint: str, shared: bool = False) -> Profile | None:
                     _log.warning(f"selfspec: warning: auto ignores the installed profile {path}: {losing_note(prof)}")
                 continue
             return prof if shared else replace(prof, metrics=copy.deepcopy(prof.metrics))
+    return None
+
+
+def best_options(fingerprint: str, strategy: str) -> tuple[dict, str] | None:
+    """(options, where from) that `strategy`, named without options, starts from on this model:
+    the first profile for it (the user's installed ones, then those shipped) that measured the
+    strategy, either in its `strategies` map or as its own draft. A profile whose own draft
+    loses to plain decoding still counts here: its other entries are measurements too, and a
+    user who names a strategy gets that strategy at its best. None: no profile measured it."""
+    for d in (user_profile_dir(), PACKAGED):
+        for path in sorted(d.glob("*.json")) if d.is_dir() else ():
+            prof = _read_profile(path)
+            if prof is None or prof.model_fingerprint != fingerprint:
+                continue
+            if strategy in prof.strategies:
+                return copy.deepcopy(prof.strategies[strategy]["options"]), str(path)
+            own = prof.draft.base if prof.draft.strategy == "auto" else prof.draft
+            if own is not None and own.strategy == strategy:
+                return own.explicit_options(), str(path)
     return None
 
 

@@ -18,7 +18,7 @@ chosen strategy does not use is an error (DraftConfig's own rule), as on the CLI
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from selfspec.config import STRATEGIES, ConfigError, ConfigTypeError, DraftConfig, SamplingConfig, typed
 from selfspec.errors import SelfSpecError
@@ -65,6 +65,9 @@ class ParseContext:
     num_layers: int
     vocab_size: int
     limits: PromptLimits
+    # strategy -> the options a request naming it starts from: the model's profile's best for it
+    # (SelfSpecModel.strategy_defaults, without calibrating: a request never waits for that)
+    defaults: dict = field(default_factory=dict)
 
     @classmethod
     def for_model(cls, model, draft: DraftConfig, settings: ServerSettings) -> ParseContext:
@@ -74,9 +77,10 @@ class ParseContext:
             allowed = list(settings.allowed_strategies)
         if draft.strategy not in allowed:
             allowed.append(draft.strategy)  # the served configuration itself is always allowed
+        defaults = {s: model.strategy_defaults(s, calibrate=False)[0] for s in allowed} if hasattr(model, "strategy_defaults") else {}
         return cls(settings, frozenset({settings.model_name, *settings.aliases}), draft, tuple(allowed),
                    model.runtime.num_layers, model.spec.vocab_size,
-                   PromptLimits.for_model(settings, model.context_length, model.tokenizer))
+                   PromptLimits.for_model(settings, model.context_length, model.tokenizer), defaults)
 
 
 @dataclass(frozen=True)
@@ -284,9 +288,10 @@ def parse_draft(ext, ctx: ParseContext) -> DraftConfig:
         raise bad(f"Strategy {strategy!r} is not allowed on this server; allowed: {', '.join(ctx.allowed)}.",
                   param="selfspec.strategy", code="invalid_value")
     try:
-        # a request that changes the strategy starts from that strategy's defaults, not from
-        # options of the served one it would not use
-        cfg = replace(served, **opts) if strategy == served.strategy else DraftConfig.from_dict(opts)
+        # a request that changes the strategy starts from that strategy's defaults for this model,
+        # not from options of the served one it would not use
+        cfg = replace(served, **opts) if strategy == served.strategy else \
+            DraftConfig.from_dict({**ctx.defaults.get(strategy, {}), **opts})
         if cfg.strategy == "draft-model" and served.strategy != "draft-model":
             raise SelfSpecError("draft-model is not allowed per request")
         if cfg.num_speculations > ctx.settings.max_num_speculations:
