@@ -88,8 +88,8 @@ def _rank(model, strategy: str, given: dict) -> dict | None:
         return None
     _log.warning("selfspec: note: no profile measured %s on this model; choosing its options by calibration "
                  "(once per model and machine: kept with the measured costs)", strategy)
-    prompts = [model.encode(s.prompt)[-MAX_PROMPT_TOKENS:] for name in SETS
-               for s in load_dataset(name, PROMPTS_PER_SET, seed=0).samples]
+    room = min(MAX_PROMPT_TOKENS, (model.context_length - NEW_TOKENS) // 2)  # the prompt's last tokens, well within the context
+    prompts = [model.tokenizer(s.prompt).input_ids[-room:] for name in SETS for s in load_dataset(name, PROMPTS_PER_SET, seed=0).samples]
     cal = Calibration(model, prompts, NEW_TOKENS, strategy="autoregressive")
     heads = {c.draft_head() for c in grid} - {(None, None)}
     bits = {c.draft_bits for c in grid if c.strategy == "quantized"}
