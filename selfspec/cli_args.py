@@ -19,7 +19,8 @@ from selfspec.model import load, merge_profile_draft
 from selfspec.profiles import load_profile, losing_note
 
 _HELP = {
-    "strategy": "how to draft: " + ", ".join(STRATEGIES),
+    "strategy": "how to draft: " + ", ".join(STRATEGIES) + " (named alone: its best measured options for the model; "
+                "options given override only themselves)",
     "exit_layer": "early-exit: draft with layers 0..E-1 (quantized: the copy's first E layers)",
     "num_speculations": "K, the most tokens drafted per verify step",
     "skip_attn": "layer-skip/quantized: attention sub-layers to skip while drafting, e.g. 3,5,7",
@@ -74,11 +75,11 @@ def format_default(value) -> str | None:
     return str(value)
 
 
-def with_default(help_: str, default) -> str:
+def with_default(help_: str, default, label: str = "default") -> str:
     shown = format_default(default)
     if shown is None or "default" in help_:  # a help text may describe its default itself
         return help_
-    return f"{help_} (default: {shown})".strip()
+    return f"{help_} ({label}: {shown})".strip()
 
 
 def _flag_type(tp):
@@ -92,7 +93,8 @@ def _flag_type(tp):
     return tp
 
 
-def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (), helps: dict | None = None) -> None:
+def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (), helps: dict | None = None,
+                    default_label: str = "default") -> None:
     hints = typing.get_type_hints(cls)
     helps = {**_HELP, **(helps or {})}
     for f in fields(cls):
@@ -101,7 +103,7 @@ def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] 
         flag = "--" + f.name.replace("_", "-")
         tp = _flag_type(hints[f.name])
         default = None  # None = "not given": the dataclass (or a profile) supplies the default
-        help_ = with_default(helps.get(f.name, ""), f.default)
+        help_ = with_default(helps.get(f.name, ""), f.default, "default" if f.name == "strategy" else default_label)
         if tp is bool:  # --x / --no-x: a profile's default may be turned off
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=helps.get(f.name))
         elif f.name == "stop":
@@ -130,7 +132,8 @@ def add_chat_template_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_draft_args(p: argparse.ArgumentParser) -> None:
-    add_config_args(p, DraftConfig, skip=("base",))  # auto's base comes from a profile
+    # auto's base comes from a profile; a named strategy's defaults from the model's (see --strategy)
+    add_config_args(p, DraftConfig, skip=("base",), default_label="static default")
     p.add_argument("--profile", default=None, help="a draft profile JSON (from search/sweep/train)")
 
 
