@@ -197,9 +197,10 @@ class DraftConfig:
 
     The field defaults below are the *static* defaults, the last of three sources a strategy
     named without options draws on (SelfSpecModel.draft_config): first the model's profile
-    (its best measured options for that strategy: profiles.best_options), then a calibrated
-    choice (the predictor ranks the options on the model's own continuations of two built-in
-    prompts, with its measured costs: search/defaults.py), then these. Options given
+    (its best measured options for that strategy: profiles.best_options), then, for a strategy
+    that runs bare (quantized, prompt-lookup), a calibrated choice (the predictor ranks the
+    options on the model's own continuations of two built-in prompts, with its measured costs:
+    search/defaults.py), then these. Options given
     explicitly override only themselves. The static ones: K = 4, the full vocabulary, an int8
     copy with an int8 head, prompt lookup up to 3-grams, no threshold, no lookup first."""
 

@@ -218,20 +218,19 @@ class SelfSpecModel:
         given = {k: v for k, v in options.items() if v is not None}
         if profile is None:
             if strategy is not None:  # named: its defaults for this model, refined by the options given
-                given = {**self.strategy_defaults(strategy, given)[0], **given}
+                given = {**self.strategy_defaults(strategy)[0], **given}
             return DraftConfig.from_dict({**({"strategy": strategy} if strategy else {}), **given})
         prof = profile if isinstance(profile, Profile) else load_profile(profile, self.fingerprint)
         if prof.model_fingerprint != self.fingerprint:
             raise SelfSpecError("the profile was made for another model")
         return merge_profile_draft(prof.draft, strategy, given)
 
-    def strategy_defaults(self, strategy: str, given: dict | None = None, calibrate: bool = True) -> tuple[dict, str]:
-        """(options, source): what `strategy`, named with only the options `given`, starts from
-        on this model (config.DraftConfig's doc): the best options a profile measured for it
-        ("profile: PATH"), else the predictor's choice ("calibrated"; calibrate=False: not
-        made here), else none ("static": the dataclass defaults). auto and autoregressive
-        have no options of their own to fill in."""
-        given = given or {}
+    def strategy_defaults(self, strategy: str, calibrate: bool = True) -> tuple[dict, str]:
+        """(options, source): what `strategy` starts from on this model, options given to a
+        call overriding only themselves (config.DraftConfig's doc): the best options a profile
+        measured for it ("profile: PATH"), else the predictor's choice for the bare strategy
+        ("calibrated"; calibrate=False: not made here), else none ("static": the dataclass
+        defaults). auto and autoregressive have no options of their own to fill in."""
         if strategy in ("auto", "autoregressive"):
             return {}, "static"
         found = best_options(self.fingerprint, strategy)
@@ -240,7 +239,7 @@ class SelfSpecModel:
             if runs_here(DraftConfig.from_dict({**options, "strategy": strategy}), self.runtime):
                 return options, f"profile: {path}"
         if calibrate:
-            options = calibrated_options(self, strategy, given)
+            options = calibrated_options(self, strategy)
             if options is not None:
                 return options, "calibrated"
         return {}, "static"

@@ -65,8 +65,8 @@ class ParseContext:
     num_layers: int
     vocab_size: int
     limits: PromptLimits
-    # strategy -> the options a request naming it starts from: the model's profile's best for it
-    # (SelfSpecModel.strategy_defaults, without calibrating: a request never waits for that)
+    # strategy -> the options a request naming it starts from, as a call naming it would
+    # (SelfSpecModel.strategy_defaults)
     defaults: dict = field(default_factory=dict)
 
     @classmethod
@@ -77,7 +77,8 @@ class ParseContext:
             allowed = list(settings.allowed_strategies)
         if draft.strategy not in allowed:
             allowed.append(draft.strategy)  # the served configuration itself is always allowed
-        defaults = {s: model.strategy_defaults(s, calibrate=False)[0] for s in allowed} if hasattr(model, "strategy_defaults") else {}
+        # made here, at startup (a calibration, where one is made, once per model and machine)
+        defaults = {s: model.strategy_defaults(s)[0] for s in allowed} if hasattr(model, "strategy_defaults") else {}
         return cls(settings, frozenset({settings.model_name, *settings.aliases}), draft, tuple(allowed),
                    model.runtime.num_layers, model.spec.vocab_size,
                    PromptLimits.for_model(settings, model.context_length, model.tokenizer), defaults)
