@@ -14,7 +14,9 @@ Two cases:
           measures the costs once (load measures the single-sequence costs, the first batch
           its pass costs) and keeps them for every later process
 
-Ratios are measured side by side within one process; the machine may be shared (noisy).
+Ratios are measured side by side within one process, by wall time and per CPU second of the
+process (time.process_time: on a shared machine the time other processes take is left out of
+the second; spinning worker threads count in both calls alike).
 """
 
 from __future__ import annotations
@@ -44,10 +46,10 @@ def child(args) -> dict:
     ids = [m.encode(s.prompt)[-384:] for s in samples]
     calls, outs = [], []
     for _ in range(3):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         res = m.generate_batch(ids, max_new_tokens=args.max_new_tokens, strategy=args.strategy)
-        dt = time.perf_counter() - t
-        calls.append({"seconds": dt, "tokens": sum(r.stats.new_tokens for r in res)})
+        dt, dc = time.perf_counter() - t, time.process_time() - c
+        calls.append({"seconds": dt, "cpu_seconds": dc, "tokens": sum(r.stats.new_tokens for r in res)})
         outs.append([r.token_ids for r in res])
     return {"load_s": load_s, "calls": calls, "same_output": all(o == outs[0] for o in outs)}
 
@@ -61,11 +63,13 @@ def run_child(args, env: dict) -> dict:
 
 def summarize(label: str, r: dict) -> dict:
     tps = [c["tokens"] / c["seconds"] for c in r["calls"]]
-    warm = statistics.mean(tps[1:])
+    cps = [c["tokens"] / c["cpu_seconds"] for c in r["calls"]]  # per CPU second: what other processes take is left out
+    warm, warm_cpu = statistics.mean(tps[1:]), statistics.mean(cps[1:])
     row = {"case": label, "load_s": r["load_s"], "cold_tok_s": tps[0], "warm_tok_s": warm, "cold_over_warm": tps[0] / warm,
-           "same_output": r["same_output"]}
+           "cold_over_warm_cpu": cps[0] / warm_cpu, "calls": r["calls"], "same_output": r["same_output"]}
     print(f"{label:6s} load {r['load_s']:5.1f} s | cold {tps[0]:6.1f} tok/s | warm {warm:6.1f} tok/s "
-          f"(calls 2, 3: {tps[1]:.1f}, {tps[2]:.1f}) | cold/warm {tps[0] / warm:.2f}x | outputs equal: {r['same_output']}", flush=True)
+          f"(calls 2, 3: {tps[1]:.1f}, {tps[2]:.1f}) | cold/warm {tps[0] / warm:.2f}x wall, {cps[0] / warm_cpu:.2f}x per CPU "
+          f"second | outputs equal: {r['same_output']}", flush=True)
     return row
 
 
@@ -96,9 +100,11 @@ def main(argv=None) -> int:
             with tempfile.TemporaryDirectory() as d:
                 rows.append(summarize("first", run_child(args, {**env, "SELFSPEC_COSTS_DIR": d})))
     for case in ("kept", "first"):
-        r = [x["cold_over_warm"] for x in rows if x["case"] == case]
-        if r:
-            print(f"{case}: cold / warm median {statistics.median(r):.2f}x (range {min(r):.2f}-{max(r):.2f}) over {len(r)} processes")
+        for key, what in (("cold_over_warm", "wall"), ("cold_over_warm_cpu", "per CPU second")):
+            r = [x[key] for x in rows if x["case"] == case]
+            if r:
+                print(f"{case}: cold / warm ({what}) median {statistics.median(r):.2f}x (range {min(r):.2f}-{max(r):.2f}) "
+                      f"over {len(r)} processes")
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
     return 0
