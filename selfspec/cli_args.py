@@ -12,14 +12,15 @@ import typing
 from dataclasses import MISSING, fields
 
 from selfspec.chat_templates import names, resolve
-from selfspec.config import COUPLINGS, STRATEGIES, DraftConfig
+from selfspec.config import COUPLINGS, REQUIRED, STRATEGIES, DraftConfig
 from selfspec.errors import unknown_choice
 from selfspec.loading import peek_shape
 from selfspec.model import load, merge_profile_draft
 from selfspec.profiles import load_profile, losing_note
 
 _HELP = {
-    "strategy": "how to draft: " + ", ".join(STRATEGIES),
+    "strategy": "how to draft: " + ", ".join(STRATEGIES) + " (named alone: its best measured options for the model; "
+                "options given override only themselves)",
     "exit_layer": "early-exit: draft with layers 0..E-1 (quantized: the copy's first E layers)",
     "num_speculations": "K, the most tokens drafted per verify step",
     "skip_attn": "layer-skip/quantized: attention sub-layers to skip while drafting, e.g. 3,5,7",
@@ -77,11 +78,11 @@ def format_default(value) -> str | None:
     return str(value)
 
 
-def with_default(help_: str, default) -> str:
+def with_default(help_: str, default, label: str = "default") -> str:
     shown = format_default(default)
     if shown is None or "default" in help_:  # a help text may describe its default itself
         return help_
-    return f"{help_} (default: {shown})".strip()
+    return f"{help_} ({label}: {shown})".strip()
 
 
 def _flag_type(tp):
@@ -95,7 +96,8 @@ def _flag_type(tp):
     return tp
 
 
-def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (), helps: dict | None = None) -> None:
+def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (), helps: dict | None = None,
+                    default_label: str = "default") -> None:
     hints = typing.get_type_hints(cls)
     helps = {**_HELP, **(helps or {})}
     for f in fields(cls):
@@ -104,9 +106,9 @@ def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] 
         flag = "--" + f.name.replace("_", "-")
         tp = _flag_type(hints[f.name])
         default = None  # None = "not given": the dataclass (or a profile) supplies the default
-        help_ = with_default(helps.get(f.name, ""), f.default)
-        if tp is bool:
-            parser.add_argument(flag, action="store_true", default=None, help=helps.get(f.name))
+        help_ = with_default(helps.get(f.name, ""), f.default, "default" if f.name == "strategy" else default_label)
+        if tp is bool:  # --x / --no-x: a profile's default may be turned off
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=helps.get(f.name))
         elif f.name == "stop":
             parser.add_argument(flag, action="append", default=None, help=help_)
         elif f.name == "strategy":
@@ -139,7 +141,8 @@ def add_chat_template_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_draft_args(p: argparse.ArgumentParser) -> None:
-    add_config_args(p, DraftConfig, skip=("base",))  # auto's base comes from a profile
+    # auto's base comes from a profile; a named strategy's defaults from the model's (see --strategy)
+    add_config_args(p, DraftConfig, skip=("base",), default_label="static default")
     p.add_argument("--profile", default=None, help="a draft profile JSON (from search/sweep/train)")
 
 
@@ -158,7 +161,12 @@ def check_before_loading(args) -> None:
         return
     given = config_kwargs(args, DraftConfig)
     if args.profile is None:
-        draft = DraftConfig.from_dict(given)
+        # a required option not given may come from the model's profile (known once it loads):
+        # the others are checked now, against a stand-in for it
+        missing = [names[0] for strategy, names in REQUIRED.items()
+                   if given.get("strategy") == strategy and not any(given.get(n) for n in names)]
+        stand_in = {"exit_layer": 1, "skip_attn": (0,), "adapter": "-", "draft_model": "-"}
+        draft = DraftConfig.from_dict({**{n: stand_in[n] for n in missing}, **given})
     else:
         draft = merge_profile_draft(load_profile(args.profile).draft, given.pop("strategy", None), given)
     shape = peek_shape(args.model)

@@ -201,9 +201,23 @@ STRATEGY_FIELDS: dict[str, frozenset[str]] = {
 }
 
 
+# Options a strategy cannot run without when nothing supplies them (one of each tuple).
+REQUIRED: dict[str, tuple[str, ...]] = {"early-exit": ("exit_layer",), "layer-skip": ("skip_attn", "skip_mlp"),
+                                        "exit-adapter": ("adapter",), "draft-model": ("draft_model",)}
+
+
 @dataclass(frozen=True)
 class DraftConfig:
-    """How to draft. A field the strategy does not use (STRATEGY_FIELDS) must keep its default."""
+    """How to draft. A field the strategy does not use (STRATEGY_FIELDS) must keep its default.
+
+    The field defaults below are the *static* defaults, the last of three sources a strategy
+    named without options draws on (SelfSpecModel.draft_config): first the model's profile
+    (its best measured options for that strategy: profiles.best_options), then, for a strategy
+    that runs bare (quantized, prompt-lookup), a calibrated choice (the predictor ranks the
+    options on the model's own continuations of two built-in prompts, with its measured costs:
+    search/defaults.py), then these. Options given
+    explicitly override only themselves. The static ones: K = 4, the full vocabulary, an int8
+    copy with an int8 head, prompt lookup up to 3-grams, no threshold, no lookup first."""
 
     strategy: str = "auto"  # drafts only while it pays: the model's searched profile, else calibration
     exit_layer: int | None = None  # early-exit: draft with layers 0..exit_layer-1
@@ -318,6 +332,23 @@ class DraftConfig:
         if self.lookup_first:
             parts.append("+lookup")
         return " ".join(parts)
+
+    def explicit_options(self) -> dict:
+        """The options that differ from the static defaults (strategy excluded), as given: a
+        derived value (head_bits equal to draft_bits) is left out, so that a user's own
+        draft_bits also sets the head's."""
+        d = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            default = f.default if f.default is not MISSING else f.default_factory()
+            if f.name == "strategy" or value == default:
+                continue
+            if f.name == "draft_bits" and value == DRAFT_BITS[0] or f.name == "head_bits" and value == self.draft_bits:
+                continue
+            if f.name == "draft_threshold" and self.adaptive and value == 0.5:
+                continue
+            d[f.name] = self.to_dict()[f.name]
+        return d
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -23,14 +23,16 @@ from selfspec.architectures import ModelSpec
 from selfspec.batch import BatchEngine, BatchRequest
 from selfspec.config import STRATEGIES, DraftConfig, GenerationConfig, SamplingConfig
 from selfspec.drafters import Drafter, build
+from selfspec.drafters.factory import runs_here
 from selfspec.engine import GenerationResult, StreamEvent, generate
 from selfspec.errors import SelfSpecError, unknown_choice
 from selfspec.greedy_head import screened_head
 from selfspec.loading import ALIASES, Checkpoint, check_fits, load_source, repo_id, resolve_tokenizer, runtime_bytes
 from selfspec.predictor.costs import CostModel
-from selfspec.profiles import Profile, builtin_profiles, installed_profile, load_profile, remember_repo
+from selfspec.profiles import Profile, best_options, builtin_profiles, installed_profile, load_profile, remember_repo
 from selfspec.resources import DraftResources
 from selfspec.runtime import Runtime
+from selfspec.search.defaults import calibrated_options
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 _DRAFT_FIELDS = {f.name for f in fields(DraftConfig)}
@@ -220,11 +222,32 @@ class SelfSpecModel:
             raise SelfSpecError(unknown_choice("strategy", strategy, STRATEGIES))
         given = {k: v for k, v in options.items() if v is not None}
         if profile is None:
+            if strategy is not None:  # named: its defaults for this model, refined by the options given
+                given = {**self.strategy_defaults(strategy)[0], **given}
             return DraftConfig.from_dict({**({"strategy": strategy} if strategy else {}), **given})
         prof = profile if isinstance(profile, Profile) else load_profile(profile, self.fingerprint, self.repo_id)
         if not prof.fits(self.fingerprint, self.repo_id):
             raise SelfSpecError("the profile was made for another model")
         return merge_profile_draft(prof.draft, strategy, given)
+
+    def strategy_defaults(self, strategy: str, calibrate: bool = True) -> tuple[dict, str]:
+        """(options, source): what `strategy` starts from on this model, options given to a
+        call overriding only themselves (config.DraftConfig's doc): the best options a profile
+        measured for it ("profile: PATH"), else the predictor's choice for the bare strategy
+        ("calibrated"; calibrate=False: not made here), else none ("static": the dataclass
+        defaults). auto and autoregressive have no options of their own to fill in."""
+        if strategy in ("auto", "autoregressive"):
+            return {}, "static"
+        found = best_options(self.fingerprint, strategy, self.repo_id)
+        if found is not None:
+            options, path = found
+            if runs_here(DraftConfig.from_dict({**options, "strategy": strategy}), self.runtime):
+                return options, f"profile: {path}"
+        if calibrate:
+            options = calibrated_options(self, strategy)
+            if options is not None:
+                return options, "calibrated"
+        return {}, "static"
 
     def drafter(self, cfg: DraftConfig) -> Drafter:
         """A new drafter for one generation of cfg (checks cfg against this model)."""

@@ -31,6 +31,10 @@ class Profile:
     # of published checkpoints, made before their weights were seen here): see installed_profile
     model_ids: tuple[str, ...] = ()
     model: dict = field(default_factory=dict)  # what a built-in profile knows of its checkpoint (shape, size)
+    # Optional: each strategy's best measured options for this model, what a strategy named
+    # without options starts from (best_options): {strategy: {"options": {...}, "metrics": {...}}}.
+    # Older profiles have none; readers that predate it ignore it.
+    strategies: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         d = {
@@ -44,6 +48,8 @@ class Profile:
             d["model_ids"] = list(self.model_ids)
         if self.model:
             d["model"] = self.model
+        if self.strategies:
+            d["strategies"] = self.strategies
         return d
 
     def fits(self, fingerprint: str, repo_id: str | None = None) -> bool:
@@ -100,8 +106,20 @@ def load_profile(path: str | os.PathLike, fingerprint: str | None = None, repo_i
         draft = DraftConfig.from_dict(draft_d)
     except TypeError as e:
         raise SelfSpecError(f"bad draft options in {path}: {e}") from e
+    strategies = copy.deepcopy(d.get("strategies") or {})
+    for name, entry in strategies.items() if isinstance(strategies, dict) else [(None, None)]:
+        options = entry.get("options") if isinstance(entry, dict) else None
+        if isinstance(options, dict) and options.get("adapter") and not Path(options["adapter"]).is_absolute():
+            options["adapter"] = str((Path(path).parent / options["adapter"]).resolve())
+        if not isinstance(options, dict) or name in ("auto", "autoregressive"):
+            raise SelfSpecError(f"bad strategies entry {name!r} in {path}: expected {{\"options\": {{...}}, \"metrics\": {{...}}}}")
+        try:
+            DraftConfig.from_dict({**options, "strategy": name})
+        except (SelfSpecError, TypeError) as e:
+            raise SelfSpecError(f"bad options for {name} in {path}: {e}") from e
     model = d.get("model") if isinstance(d.get("model"), dict) else {}
-    return Profile(draft, d.get("model_fingerprint", ""), d.get("model_name", ""), d.get("metrics", {}), tuple(ids), model)
+    return Profile(draft, d.get("model_fingerprint", ""), d.get("model_name", ""), d.get("metrics", {}), tuple(ids), model,
+                   strategies)
 
 
 # ---- profiles that lose -------------------------------------------------------------------
@@ -250,6 +268,28 @@ def remember_repo(fingerprint: str, repo_id: str) -> None:
     except OSError as e:
         _log.warning(f"selfspec: note: could not remember the repo of {fingerprint} ({e})")
     _repos_cache = (_repos_path(), repos)
+
+
+def best_options(fingerprint: str, strategy: str, repo_id: str | None = None) -> tuple[dict, str] | None:
+    """(options, where from) that `strategy`, named without options, starts from on this model:
+    the first profile for it (the user's installed ones, then those shipped) that measured the
+    strategy, either in its `strategies` map or as its own draft. A profile whose own draft
+    loses to plain decoding still counts here: its other entries are measurements too, and a
+    user who names a strategy gets that strategy at its best. A profile matches by fingerprint or,
+    for the built-in ones of published checkpoints, by repo id (given, or remembered for these
+    weights). None: no profile measured it."""
+    repo_id = repo_id or remembered_repo(fingerprint)
+    for d in (user_profile_dir(), PACKAGED):
+        for path in sorted(d.glob("*.json")) if d.is_dir() else ():
+            prof = _read_profile(path)
+            if prof is None or not prof.fits(fingerprint, repo_id):
+                continue
+            if strategy in prof.strategies:
+                return copy.deepcopy(prof.strategies[strategy]["options"]), str(path)
+            own = prof.draft.base if prof.draft.strategy == "auto" else prof.draft
+            if own is not None and own.strategy == strategy:
+                return own.explicit_options(), str(path)
+    return None
 
 
 def install_profile(profile: Profile) -> Path:

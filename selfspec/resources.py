@@ -9,6 +9,7 @@ however many draft configurations a long-running process serves.
                           prepared for the runtime
     draft_model(source)   the runtime of a separate draft model
     cost_model(...)       measured primitive costs (predictor/costs.py), kept on disk per machine
+    batch_costs()         the batch planner's pass costs (batch/planner.py), kept on disk beside them
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from selfspec.architectures import ModelSpec
 from selfspec.draft_vocab import cached_frequency_order
 from selfspec.errors import SelfSpecError
 from selfspec.loading import cache_root, load_source, resolve_tokenizer
-from selfspec.predictor.costs import CostModel, head_key, load_costs, save_costs
+from selfspec.predictor.costs import CostModel, head_key, load_costs, load_stored, save_costs, save_stored
 from selfspec.quant import quantize_columns
 from selfspec.quant_store import load_weights, save_weights, store_path
 from selfspec.runtime import _MATRICES, Runtime
@@ -36,6 +37,7 @@ MAX_DRAFT_HEADS = 12  # restricted / quantized draft heads (search measures 11 a
 MAX_QUANTIZED = 2  # quantized copies of the model (int8: half the model's bytes each)
 MAX_ADAPTERS = 4
 MAX_DRAFT_MODELS = 2
+BATCH_FORMAT = "selfspec-batch-costs/1"
 
 
 def _lru_get(cache: OrderedDict, key, make, limit: int):
@@ -63,6 +65,7 @@ class DraftResources:
         self._adapters: OrderedDict = OrderedDict()
         self._draft_models: OrderedDict = OrderedDict()
         self._costs: dict = {}
+        self._batch_costs = None
         self._lock = threading.RLock()  # everything here is made once, whichever thread asks first
 
     # ---- vocabularies and heads ---------------------------------------------------------
@@ -210,12 +213,63 @@ class DraftResources:
                 self._costs[key] = costs
             return self._costs[key]
 
-    def _cost_identity(self, heads, bits) -> dict:
+    def _machine_identity(self) -> dict:
+        """What measured costs are valid for: the model, its numerics, the build, the threads
+        and the machine (a change of any measures again)."""
         rt = self.runtime
         return {"model": self.fingerprint, "dtype": str(rt.dtype), "device": str(rt.device),
                 "kernels": kernels.build_id() if rt.uses_kernels else False, "threads": kernels.threads(),
-                "torch": torch.__version__, "machine": platform.machine(), "cpu": platform.processor(),
-                "draft_heads": [head_key(*h) for h in heads], "quantized": list(bits)}
+                "torch": torch.__version__, "machine": platform.machine(), "cpu": platform.processor()}
+
+    def _cost_identity(self, heads, bits) -> dict:
+        return {**self._machine_identity(), "draft_heads": [head_key(*h) for h in heads], "quantized": list(bits)}
+
+    def batch_costs(self):
+        """The batch planner's pass costs (planner.BatchCosts): measured once per model and
+        machine (a second or two on the default model, which the first generate_batch of
+        every process used to pay: 0.61x a warm call), kept on disk beside the costs above
+        with the same identity, and the draft tables the planner times on first use kept with
+        them. A model without a fingerprint (a bare runtime) measures them once per process."""
+        from selfspec.batch.planner import BatchCosts  # the batch package builds drafters: imported late
+
+        with self._lock:
+            if self._batch_costs is None:
+                ident = {**self._machine_identity(), "kind": "batch"} if self.fingerprint else None
+                saved = load_stored(ident, BATCH_FORMAT) if ident else None
+                costs = None
+                if saved is not None:
+                    try:
+                        costs = BatchCosts.from_dict(saved, self.runtime)
+                    except (KeyError, TypeError, ValueError, AttributeError):
+                        costs = None
+                if costs is None:
+                    with self.runtime.compute_scope():  # timed as batches run them
+                        costs = BatchCosts.measure(self.runtime)
+                if ident:
+                    costs.namer = self._draft_name
+                    costs.on_new_draft = lambda c: save_stored(ident, BATCH_FORMAT, c.to_dict())
+                    if saved is None:
+                        save_stored(ident, BATCH_FORMAT, costs.to_dict())
+                self._batch_costs = costs
+            return self._batch_costs
+
+    def _draft_name(self, signature: tuple) -> str | None:
+        """A name of a batched draft's signature (passes.signature: draft runtime, exit layer,
+        draft head, skip sets) that is the same in every process: which of these resources
+        it drafts with. None for weights made elsewhere (not kept on disk then)."""
+        rt, exit_layer, head, skip_attn, skip_mlp = signature
+        with self._lock:
+            if rt is self.runtime:
+                who = "model"
+            else:
+                who = next((f"int{b}" for b, q in self._quantized.items() if q is rt), None)
+            if head is None:
+                what = "own"
+            else:
+                what = next((str(head_key(*k)) for k, v in self._heads.items() if v[1] is head), None)
+        if who is None or what is None:
+            return None
+        return f"{who} E={exit_layer} head={what} attn={','.join(map(str, sorted(skip_attn)))} mlp={','.join(map(str, sorted(skip_mlp)))}"
 
     def nbytes(self) -> dict[str, int]:
         """Bytes of what drafters have made and these caches hold: quantized copies of the layers,

@@ -327,7 +327,9 @@ def test_newcomers_arriving_during_a_pass_join_it(monkeypatch, no_kernels):
     running, plain, sampled, third = prompts(n=4, seed=12, lengths=(6, 9, 7, 5))
     cfg = DraftConfig("early-exit", exit_layer=2, num_speculations=3)
     seeded = SamplingConfig(temperature=0.9, seed=7)
-    eng = BatchEngine(m, prefill_chunk=32, plan_drafts=False)
+    # rows nearly free (a tiny model's measured tables are noise): newcomers arriving together share one pass
+    flat = BatchCosts({r: 1.0 for r in planner.ROWS}, {r: 0.1 for r in planner.ROWS})
+    eng = BatchEngine(m, prefill_chunk=32, plan_drafts=False, costs=flat)
     arriving: list[list[BatchRequest]] = [[_req(plain, n=8), _req(sampled, cfg, n=8, sampling=seeded)], [_req(third, n=6)]]
     joined, calls = [], []
 
@@ -601,3 +603,37 @@ def test_the_cache_pool_keeps_capacities_apart_and_its_bytes_bounded():
     for c in [rt.new_cache(10) for _ in range(4)]:
         pool.give(c)
     assert len(pool._free) == 3 and pool.bytes == 3 * size  # the oldest dropped
+
+
+def test_batch_costs_are_measured_once_per_model_and_machine(tmp_path, monkeypatch):
+    """The planner's pass costs and the draft tables it times are kept on disk beside the
+    measured costs (same identity: model, numerics, threads, build): a new process (a new
+    load of the same weights) reads them instead of paying for them in its first batch; a
+    change of the thread count measures again."""
+    from selfspec import kernels
+    from selfspec.resources import DraftResources
+
+    monkeypatch.setenv("SELFSPEC_COSTS_DIR", str(tmp_path / "costs"))
+    hf = build_hf("llama", seed=3, num_layers=4)
+    ps = prompts(n=3, seed=5, lengths=(6, 9, 4))
+    m = selfspec.load(hf, dtype="float32")
+    draft = DraftConfig("early-exit", exit_layer=2, num_speculations=3, draft_vocab=64)
+    m.set_token_frequencies(torch.arange(m.spec.vocab_size))
+    first = m.generate_batch(ps, max_new_tokens=8, draft=draft)
+    costs = m.resources.batch_costs()
+    assert costs.drafts, "the batch timed its draft forward"
+    (name,) = costs.drafts
+    assert name.startswith("model E=2 head=64 ")
+    assert sum('"selfspec-batch-costs/' in f.read_text() for f in (tmp_path / "costs").glob("*.json")) == 1
+
+    monkeypatch.setattr(BatchCosts, "measure", classmethod(lambda *a, **k: pytest.fail("batch costs measured again")))
+    monkeypatch.setattr(planner, "measure_draft", lambda *a, **k: pytest.fail("draft forward timed again"))
+    m2 = selfspec.load(hf, dtype="float32")
+    m2.set_token_frequencies(torch.arange(m2.spec.vocab_size))
+    again = m2.generate_batch(ps, max_new_tokens=8, draft=draft)
+    assert [r.token_ids for r in again] == [r.token_ids for r in first]
+    assert m2.resources.batch_costs().to_dict() == costs.to_dict()
+
+    monkeypatch.setattr(kernels, "threads", lambda: 97)  # another thread count: another identity
+    with pytest.raises(pytest.fail.Exception, match="measured again"):
+        DraftResources(m2.runtime, m2.fingerprint).batch_costs()

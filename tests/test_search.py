@@ -811,6 +811,12 @@ def test_a_search_whose_winner_loses_says_so_and_refuses_to_install(search_model
     assert prof.metrics["slower_than_autoregressive"] is True and prof.metrics["speedup_vs_autoregressive"] == 0.62
     assert profiles.installed_profile(prof.model_fingerprint) is None
     assert (out / "history.png").stat().st_size > 1000 and (out / "search.json").exists()
+    # each strategy the study tried: its best measured, the options it takes when named bare
+    tried = {r["draft"]["strategy"] for r in json.loads((out / "search.json").read_text())["trials"]} - {"autoregressive"}
+    assert tried and set(prof.strategies) == tried
+    for name, entry in prof.strategies.items():
+        assert entry["metrics"]["measured_speedup"] == 0.62 and entry["metrics"]["identical_to_autoregressive"] is True
+        assert DraftConfig.from_dict({**entry["options"], "strategy": name}).label() == entry["metrics"]["label"]
 
 
 def test_history_plot_names_its_objective_and_shows_the_measured_winner(tmp_path, monkeypatch):

@@ -38,7 +38,11 @@ NAME = "tiny"
 LOOPBACK = "127.0.0.1"
 PROMPTS = ["Hello, world! How", "def f(x):\n    return", "Once upon a time there was"]
 STRATEGY = {"strategy": "early-exit", "exit_layer": 2}
-SUBPROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+def subprocess_env() -> dict:
+    """The environment of a server process: os.environ as it is when it starts (with the
+    session's private costs directory, which a fixture sets after this module is imported:
+    a copy taken at import sent servers' measured costs to the user's cache), plus these."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 
 
 # ---- fixtures ---------------------------------------------------------------------------
@@ -118,7 +122,7 @@ class ServerProcess:
         self.log_path = log_path
         self._log = open(log_path, "w")
         cmd = [sys.executable, "-m", "selfspec", "serve", *args, "--host", LOOPBACK, "--port", str(port)]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=SUBPROCESS_ENV, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=subprocess_env(), start_new_session=True)
         try:
             if port == 0:
                 port = int(wait_until(lambda: self._exited() or re.search(rf"running on http://{LOOPBACK}:(\d+)", self.log()),
@@ -220,7 +224,7 @@ def test_greedy_matches_selfspec_generate_cli(server, client, tiny_dir):
     base = [sys.executable, "-m", "selfspec", "generate", PROMPTS[0], "--model", str(tiny_dir), "--dtype", "float32",
             "--device", "cpu", "--strategy", "early-exit", "--exit-layer", "2", "--max-new-tokens", "40", "--temperature", "0",
             "--json"]
-    procs = [subprocess.Popen(base + extra, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=SUBPROCESS_ENV)
+    procs = [subprocess.Popen(base + extra, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env())
              for extra in ([], ["--chat"])]
     outs = []
     for p in procs:
@@ -793,7 +797,7 @@ def test_cli_rejects_bad_options_before_loading(tiny_dir):
     for args, fragment in ((["--max-concurrency", "0"], "max_concurrency"), (["--allowed-strategies", "warp"], "warp"),
                            (["--port", "70000"], "--port"), (["--coupling", "exact"], "coupling")):
         p = subprocess.run([sys.executable, "-m", "selfspec", "serve", "--model", str(tiny_dir), *args], capture_output=True,
-                           text=True, env=SUBPROCESS_ENV, timeout=60)
+                           text=True, env=subprocess_env(), timeout=60)
         assert p.returncode == 2 and fragment in p.stderr, p.stderr
 
 

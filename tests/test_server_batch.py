@@ -24,7 +24,7 @@ from selfspec.server.app import create_app  # noqa: E402
 from selfspec.server.settings import default_max_batch  # noqa: E402
 
 from test_server import (  # noqa: E402
-    NAME, STRATEGY, SUBPROCESS_ENV, HeldEngine, InProcessServer, _settings, build_tiny_model, direct, wait_until,
+    NAME, STRATEGY, subprocess_env, HeldEngine, InProcessServer, _settings, build_tiny_model, direct, wait_until,
 )
 
 WORDS = ("Alpha", "Bravo", "Charlie", "Delta", "Echo", "Foxtrot", "Golf", "Hotel")
@@ -176,10 +176,10 @@ def test_max_batch_is_respected(model):
 
 
 def test_cli_max_batch(tiny_dir):
-    p = subprocess.run([sys.executable, "-m", "selfspec", "serve", "--help"], capture_output=True, text=True, env=SUBPROCESS_ENV,
+    p = subprocess.run([sys.executable, "-m", "selfspec", "serve", "--help"], capture_output=True, text=True, env=subprocess_env(),
                        timeout=60)
     assert p.returncode == 0 and "--max-batch" in p.stdout and "4 per CPU core" in p.stdout
     p = subprocess.run([sys.executable, "-m", "selfspec", "serve", "--model", str(tiny_dir), "--max-batch", "0"],
-                       capture_output=True, text=True, env=SUBPROCESS_ENV, timeout=60)
+                       capture_output=True, text=True, env=subprocess_env(), timeout=60)
     assert p.returncode == 2 and "max_batch" in p.stderr and "Traceback" not in p.stderr, p.stderr
     assert default_max_batch(1) == 4 and default_max_batch(2) == 8 and default_max_batch(64) == 32

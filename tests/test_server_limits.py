@@ -30,7 +30,7 @@ from selfspec.server.settings import default_max_prompt_tokens  # noqa: E402
 
 from helpers import ar_generate  # noqa: E402
 from test_server import (  # noqa: E402
-    NAME, PROMPTS, STRATEGY, SUBPROCESS_ENV, HeldEngine, InProcessServer, _settings, build_tiny_model, direct,
+    NAME, PROMPTS, STRATEGY, subprocess_env, HeldEngine, InProcessServer, _settings, build_tiny_model, direct,
     raw_request, wait_until,
 )
 
@@ -167,7 +167,7 @@ def test_max_prompt_tokens(model):
 
 def test_cli_rejects_bad_prompt_limit(tiny_dir):
     p = subprocess.run([sys.executable, "-m", "selfspec", "serve", "--model", str(tiny_dir), "--max-prompt-tokens", "0"],
-                       capture_output=True, text=True, env=SUBPROCESS_ENV, timeout=60)
+                       capture_output=True, text=True, env=subprocess_env(), timeout=60)
     assert p.returncode == 2 and "max_prompt_tokens" in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 

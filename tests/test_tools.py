@@ -401,7 +401,8 @@ def test_report_fits_the_terminal_without_breaking_words(results_files, tmp_path
 
     bench, sweep = results_files
     text = _render([bench, bench, sweep], tmp_path / "rep", width)
-    lines = [line for line in text.splitlines() if not line.startswith("wrote ")]  # paths are never wrapped
+    # paths are never wrapped (an absolute one too long for the line goes on a line of its own)
+    lines = [line for line in text.splitlines() if not line.startswith(("wrote", f"  {tmp_path}"))]
     assert max(len(line) for line in lines) <= width, "\n".join(lines)
     flat = " ".join(text.split())
     b = [load_results(bench)] * 2
@@ -420,6 +421,38 @@ def test_report_fits_the_terminal_without_breaking_words(results_files, tmp_path
         for cell in row[1:]:
             assert any(cell in line for line in lines), cell
     assert "#1 prompt-lookup" in text  # the runs' labels above the table
+
+
+def test_report_command_fits_columns_when_piped(results_files, tmp_path, monkeypatch, capsys):
+    """`COLUMNS=80 selfspec report ...` into a pipe or a file (not a terminal: CI logs, | less):
+    no line over 80 characters, paths included (relative to the working directory, or on a
+    line of their own), where it used to render 160 columns wide."""
+    from selfspec.tools.cli import console_width
+
+    bench, sweep = results_files
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["report", str(bench), str(bench), str(sweep), "--out-dir", "rep"]) == 0
+    out = capsys.readouterr().out
+    assert "speedup" in out and "wrote rep/index.html" in out
+    assert max(len(line) for line in out.splitlines()) <= 80, out
+    assert console_width(False, {}) == 160 and console_width(True, {}) is None  # no COLUMNS: the terminal's, or wide for files
+    assert console_width(False, {"COLUMNS": "100"}) == 100 == console_width(True, {"COLUMNS": "100"})
+
+
+def test_report_puts_a_long_path_on_its_own_line(tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from selfspec.tools.report import _wrote
+
+    console = Console(width=40, file=io.StringIO(), record=True)
+    long = tmp_path.parent / ("x" * 30) / "index.html"
+    _wrote(console, long)
+    _wrote(console, "short.png")
+    lines = console.export_text().splitlines()
+    assert lines == ["wrote", f"  {long}", "wrote short.png"]
 
 
 def test_report_files_are_readable_by_others_and_explained(results_files, tmp_path):

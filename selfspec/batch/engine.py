@@ -66,7 +66,8 @@ def default_prefill_chunk(cpus: int | None = None) -> int:
 
 
 def batch_costs(rt) -> BatchCosts:
-    """The runtime's batched pass costs, measured on first use (a second or two)."""
+    """A bare runtime's batched pass costs, measured on first use (a second or two) and kept
+    for the process; a model's are its resources' (DraftResources.batch_costs: kept on disk)."""
     if rt not in _costs:
         _costs[rt] = BatchCosts.measure(rt)
     return _costs[rt]
@@ -324,7 +325,8 @@ class BatchEngine:
     @property
     def costs(self) -> BatchCosts:
         if self._costs is None:
-            self._costs = batch_costs(self.rt)
+            res = getattr(self.model, "resources", None)
+            self._costs = res.batch_costs() if res is not None else batch_costs(self.rt)
         return self._costs
 
     def _plan(self, seqs: list[Sequence], prefill) -> tuple[float, float] | None:

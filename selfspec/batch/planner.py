@@ -45,6 +45,11 @@ class BatchCosts:
     _draft_cache: dict = field(default_factory=dict)
     _memo: dict = field(default_factory=dict)  # (what, rows...) -> seconds: the planner asks the same often
     _reference: object = None  # weakref to the runtime `layers` timed (measure()): draft forwards are timed against it
+    # Draft tables by a stable name of their signature (kept on disk with the rest: resources.py),
+    # the namer that gives it (None for a signature it cannot name), and what to call after a new one
+    drafts: dict[str, dict[int, float]] = field(default_factory=dict)
+    namer: object = None
+    on_new_draft: object = None
 
     @classmethod
     def measure(cls, rt, repeats: int = 3, context: int = 64) -> "BatchCosts":
@@ -96,11 +101,34 @@ class BatchCosts:
         t = self._memo.get((key, rows))
         if t is None:
             if key not in self._draft_cache:
-                ref = self._reference() if self._reference is not None else None
-                self._draft_cache[key] = measure_draft(*signature) if ref is None else \
-                    measure_draft(*signature, reference=(ref, self.layers))
+                name = self.namer(signature) if self.namer is not None else None
+                if name is not None and name in self.drafts:  # timed by an earlier process on this machine
+                    self._draft_cache[key] = self.drafts[name]
+                else:
+                    ref = self._reference() if self._reference is not None else None
+                    self._draft_cache[key] = measure_draft(*signature) if ref is None else \
+                        measure_draft(*signature, reference=(ref, self.layers))
+                    if name is not None:
+                        self.drafts[name] = self._draft_cache[key]
+                        if self.on_new_draft is not None:
+                            self.on_new_draft(self)
             t = self._memo[(key, rows)] = self.overhead + self._interp(self._draft_cache[key], rows)
         return t
+
+    def to_dict(self) -> dict:
+        """The measured tables (the file resources.batch_costs keeps)."""
+        return {"layers": self.layers, "head": self.head, "overhead": self.overhead, "drafts": self.drafts}
+
+    @classmethod
+    def from_dict(cls, d: dict, runtime=None) -> "BatchCosts":
+        """Tables saved by to_dict; `runtime`: the one they were timed on (new draft tables are
+        timed against it, as after measure())."""
+        table = lambda t: {int(k): float(v) for k, v in t.items()}  # noqa: E731
+        costs = cls(table(d["layers"]), table(d["head"]), float(d["overhead"]),
+                    drafts={str(k): table(v) for k, v in d.get("drafts", {}).items()})
+        if runtime is not None:
+            costs._reference = weakref.ref(runtime)
+        return costs
 
 
 DRAFT_ROWS = (1, 2, 4, 8, 16, 32)

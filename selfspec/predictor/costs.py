@@ -214,20 +214,34 @@ def costs_path(identity: dict) -> Path:
     return Path(os.environ.get("SELFSPEC_COSTS_DIR") or cache_root() / "costs") / f"{key}.json"
 
 
-def load_costs(identity: dict) -> CostModel | None:
-    """Costs measured earlier for exactly this identity (model, dtype, device, threads...)."""
+def load_stored(identity: dict, fmt: str) -> dict | None:
+    """What save_stored kept for exactly this identity and format, else None."""
     try:
         d = json.loads(costs_path(identity).read_text())
-        if d.get("format") != FORMAT or d.get("identity") != identity:
+        if d.get("format") != fmt or d.get("identity") != identity or not isinstance(d.get("costs"), dict):
             return None
-        return CostModel.from_dict(d["costs"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return d["costs"]
+    except (OSError, ValueError):
         return None
 
 
-def save_costs(identity: dict, costs: CostModel) -> None:
-    d = {"format": FORMAT, "identity": identity, "costs": costs.to_dict()}
+def save_stored(identity: dict, fmt: str, costs: dict) -> None:
+    """Keep measured costs (a JSON-able dict) for `identity` (atomically: readers never see half)."""
+    d = {"format": fmt, "identity": identity, "costs": costs}
     try:
         atomic_write_text(costs_path(identity), json.dumps(d, indent=1) + "\n")
     except OSError:
         pass  # a read-only cache only costs a re-measurement next time
+
+
+def load_costs(identity: dict) -> CostModel | None:
+    """Costs measured earlier for exactly this identity (model, dtype, device, threads...)."""
+    d = load_stored(identity, FORMAT)
+    try:
+        return None if d is None else CostModel.from_dict(d)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def save_costs(identity: dict, costs: CostModel) -> None:
+    save_stored(identity, FORMAT, costs.to_dict())

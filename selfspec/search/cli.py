@@ -15,6 +15,7 @@ from rich.table import Table
 
 from selfspec import search as S
 from selfspec.cli_args import add_config_args, add_model_args, config_kwargs, load_model
+from selfspec.config import DraftConfig
 from selfspec.errors import SelfSpecError
 from selfspec.profiles import Profile, atomic_write_text, install_profile, save_profile
 from selfspec.search import SearchConfig
@@ -45,7 +46,7 @@ def register(sub) -> None:
                                                    "several processes or machines may share one study")
     p.add_argument("--workers", type=int, default=1, help="local worker processes on the same study (default: 1)")
     p.add_argument("--no-thresholds", action="store_true", help="search fixed draft lengths only")
-    p.add_argument("--no-confirm", action="store_true", help="skip measuring the winner against plain decoding")
+    p.add_argument("--no-confirm", action="store_true", help="skip measuring the winner (and each strategy's best, written to the profile's strategies map) against plain decoding")
     p.add_argument("--out-dir", default="search-results", help="profile.json, history.png, search.json (default: search-results)")
     p.add_argument("--install", action="store_true", help="also install the profile for this model: --strategy auto uses it")
     p.add_argument("--worker-index", type=int, default=0, help=argparse.SUPPRESS)
@@ -121,11 +122,53 @@ def cmd_search(args) -> int:
     if "measured_speedup" in metrics:
         metrics["speedup_vs_autoregressive"] = metrics["measured_speedup"]
     metrics["slower_than_autoregressive"] = speed is not None and speed < 1.0
-    profile = Profile(best, model.fingerprint, model.name, S.json_safe(metrics))
+    strategies = _best_per_strategy(cfg, model, study, best, metrics, prompts, log, confirm=cfg.confirm and not interrupted)
+    profile = Profile(best, model.fingerprint, model.name, S.json_safe(metrics), S.json_safe(strategies))
     _write_results(args, cfg, model, study, profile, out_dir, interrupted, speed)
     if args.install:
         log(f"installed for --strategy auto: {install_profile(profile)}")  # refuses a losing profile (exit 2)
     return INTERRUPTED if interrupted else 0
+
+
+CONFIRM_PER_STRATEGY = 3  # a strategy's best predicted trials measured for its entry in the strategies map
+
+
+def _best_per_strategy(cfg: SearchConfig, model, study, best: DraftConfig, metrics: dict, prompts: list[str], log,
+                       confirm: bool) -> dict:
+    """The profile's `strategies` map: for each searched strategy the options it takes when
+    named without any (SelfSpecModel.draft_config). Confirming, its CONFIRM_PER_STRATEGY best
+    predicted trials are measured against plain decoding and the fastest measured is kept (a
+    prediction's costs were timed once, on a machine whose speed drifts); else its best
+    predicted trial. The winner's own measurement is reused."""
+    ranked: dict[str, list[tuple[float, DraftConfig, dict]]] = {}
+    for row in sorted(S.trial_rows(study), key=lambda r: -(r.get("value") or 0.0)):
+        d = row.get("draft")
+        if not d or d.get("strategy") in (None, "autoregressive", "auto") or row.get("value") is None:
+            continue
+        draft = DraftConfig.from_dict(d)
+        mine = ranked.setdefault(draft.strategy, [])
+        if draft not in [c for _, c, _ in mine] and len(mine) < (CONFIRM_PER_STRATEGY if confirm else 1):
+            mine.append((row["value"], draft, row))
+    out = {}
+    for strategy, cands in sorted(ranked.items()):
+        entries = []
+        for value, draft, row in cands:
+            m = {"source": "selfspec search", "predicted_speedup": value, "acceptance_rate": row.get("acceptance_rate"),
+                 "c": row.get("c"), "label": draft.label()}
+            if confirm:
+                if draft == best and "measured_speedup" in metrics:
+                    measured = {k: metrics[k] for k in ("measured_speedup", "measured_acceptance_rate", "identical_to_autoregressive")
+                                if k in metrics}
+                else:
+                    log(f"measuring {strategy}: {draft.label()}")
+                    measured = S.measure(model, draft, prompts, cfg.max_new_tokens)
+                    if not measured["identical_to_autoregressive"]:
+                        raise SelfSpecError(f"{draft.label()}'s output differs from plain decoding: please report this bug")
+                m.update(measured, candidates_measured=len(cands))
+            entries.append((draft, m))
+        draft, m = max(entries, key=lambda e: e[1].get("measured_speedup", e[1]["predicted_speedup"]))
+        out[strategy] = {"options": draft.explicit_options(), "metrics": m}
+    return out
 
 
 def _searchable(cfg: SearchConfig, model) -> SearchConfig:

@@ -24,14 +24,16 @@ class Calibration:
     """Greedy continuations of the calibration prompts and the signals trials read, computed
     lazily and memoised (an exit layer's hidden states serve every K / threshold / vocab)."""
 
-    def __init__(self, model, prompts: list[str], max_new_tokens: int):
+    def __init__(self, model, prompts: list, max_new_tokens: int, strategy: str | None = None):
+        """prompts: texts or token ids; strategy: how the continuations are generated (None:
+        the default; greedy output is the same whichever)."""
         if not prompts:
             raise SelfSpecError("the calibration set is empty")
         self.model = model
         self.seqs: list[Sequence] = []
         for p in prompts:
             ids = model.encode(p)
-            out = model.generate(ids, max_new_tokens=max_new_tokens)
+            out = model.generate(ids, max_new_tokens=max_new_tokens, strategy=strategy)
             self.seqs.append(Sequence(p, ids + out.token_ids, len(ids)))
         self._signals: dict = {}
         self._heads: dict = {}

@@ -20,7 +20,7 @@ sampling option, accepted even where draft options are not.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from selfspec.config import COUPLINGS, STRATEGIES, ConfigError, ConfigTypeError, DraftConfig, SamplingConfig, typed
 from selfspec.errors import SelfSpecError
@@ -67,6 +67,9 @@ class ParseContext:
     num_layers: int
     vocab_size: int
     limits: PromptLimits
+    # strategy -> the options a request naming it starts from, as a call naming it would
+    # (SelfSpecModel.strategy_defaults)
+    defaults: dict = field(default_factory=dict)
 
     @classmethod
     def for_model(cls, model, draft: DraftConfig, settings: ServerSettings) -> ParseContext:
@@ -76,9 +79,11 @@ class ParseContext:
             allowed = list(settings.allowed_strategies)
         if draft.strategy not in allowed:
             allowed.append(draft.strategy)  # the served configuration itself is always allowed
+        # made here, at startup (a calibration, where one is made, once per model and machine)
+        defaults = {s: model.strategy_defaults(s)[0] for s in allowed} if hasattr(model, "strategy_defaults") else {}
         return cls(settings, frozenset({settings.model_name, *settings.aliases}), draft, tuple(allowed),
                    model.runtime.num_layers, model.spec.vocab_size,
-                   PromptLimits.for_model(settings, model.context_length, model.tokenizer))
+                   PromptLimits.for_model(settings, model.context_length, model.tokenizer), defaults)
 
 
 @dataclass(frozen=True)
@@ -301,9 +306,10 @@ def parse_draft(ext, ctx: ParseContext) -> DraftConfig:
         raise bad(f"Strategy {strategy!r} is not allowed on this server; allowed: {', '.join(ctx.allowed)}.",
                   param="selfspec.strategy", code="invalid_value")
     try:
-        # a request that changes the strategy starts from that strategy's defaults, not from
-        # options of the served one it would not use
-        cfg = replace(served, **opts) if strategy == served.strategy else DraftConfig.from_dict(opts)
+        # a request that changes the strategy starts from that strategy's defaults for this model,
+        # not from options of the served one it would not use
+        cfg = replace(served, **opts) if strategy == served.strategy else \
+            DraftConfig.from_dict({**ctx.defaults.get(strategy, {}), **opts})
         if cfg.strategy == "draft-model" and served.strategy != "draft-model":
             raise SelfSpecError("draft-model is not allowed per request")
         if cfg.num_speculations > ctx.settings.max_num_speculations:

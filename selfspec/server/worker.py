@@ -41,7 +41,6 @@ import time
 from collections import deque
 
 from selfspec.batch import BatchEngine, BatchHandle, BatchRequest
-from selfspec.batch.engine import batch_costs
 from selfspec.config import GenerationConfig
 from selfspec.server.errors import APIError
 from selfspec.server.parsing import Params
@@ -301,5 +300,5 @@ def warmup(model, draft) -> None:
     ids = [t for t in ids if 0 <= t < model.spec.vocab_size] or [0]
     model.generate(ids, max_new_tokens=2, draft=draft)
     with model.computing():
-        batch_costs(model.runtime)
+        model.resources.batch_costs()
     model.generate_batch([ids, ids], max_new_tokens=4, draft=draft, max_batch=2)

@@ -13,6 +13,7 @@ exits with status 130.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -79,9 +80,20 @@ def _settings(args):
                     sampling.seed if sampling.seed is not None else 0, sampling.coupling)
 
 
+def console_width(is_terminal: bool, env: dict | None = None) -> int | None:
+    """The width tables are fitted to: $COLUMNS when set (a terminal or not: CI logs, `| less`),
+    else the terminal's own (None: rich asks it), else 160 (piped to a file: room for the wide
+    tables)."""
+    cols = (os.environ if env is None else env).get("COLUMNS", "").strip()
+    if cols.isdigit() and int(cols) > 0:
+        return int(cols)
+    return None if is_terminal else 160
+
+
 def _console():
     c = Console()
-    return c if c.is_terminal else Console(width=160)  # piped to a file: room for the wide tables
+    width = console_width(c.is_terminal)
+    return c if width is None or width == c.width else Console(width=width)
 
 
 def _err(msg: str) -> None:

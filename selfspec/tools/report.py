@@ -172,6 +172,26 @@ def _compare_section(page: _Page, i: int, count: int) -> None:
     page.sections.append(f"<h2>compare_all: {html.escape(label)}</h2>" + page.files_html([i]) + html_table(head, rows, COMPARE_COLUMNS) + figs)
 
 
+def shown_path(path: str | os.PathLike) -> str:
+    """path relative to the working directory when it lies below it, else as given."""
+    p = Path(path)
+    try:
+        return str(p.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(p)
+
+
+def _wrote(console, path) -> None:
+    """"wrote PATH" on one line when it fits the console, else the path on a line of its own
+    (never wrapped inside: it stays one string to copy)."""
+    shown = shown_path(path)
+    if len("wrote " + shown) <= console.width:
+        console.print(f"wrote {shown}", soft_wrap=True, highlight=False)
+    else:
+        console.print("wrote", highlight=False)
+        console.print(f"  {shown}", soft_wrap=True, highlight=False)
+
+
 def report(paths: list[str], out_dir: str | os.PathLike = "report", labels: list[str] | None = None, html_page: bool = True, console=None) -> dict:
     """Print tables (fitted to the console's width), write plots (and index.html, with every
     column) to out_dir. -> {"plots": [...], "html": path|None, "warnings": [...]}"""
@@ -202,8 +222,6 @@ def report(paths: list[str], out_dir: str | os.PathLike = "report", labels: list
         warn = "".join(f'<p class="warn">warning: {html.escape(w)}</p>' for w in page.warnings)
         atomic_write_text(index, f"<!doctype html><html><head><meta charset='utf-8'><title>selfspec report</title><style>{_CSS}</style></head>"
                                  f"<body><h1>selfspec report</h1>{warn}{''.join(page.sections)}</body></html>\n")
-    for p in page.plots:
-        console.print(f"wrote {p}", soft_wrap=True)
-    if index:
-        console.print(f"wrote {index}", soft_wrap=True)
+    for p in page.plots + ([index] if index else []):
+        _wrote(console, p)
     return {"plots": [str(p) for p in page.plots], "html": str(index) if index else None, "warnings": page.warnings}
