@@ -74,6 +74,7 @@ def cmd_generate(args) -> int:
         prompt,
         max_new_tokens=gen.max_new_tokens,
         stop=list(gen.stop),
+        stop_token_ids=list(gen.stop_token_ids),
         chat=chat,
         temperature=sampling.temperature,
         top_k=sampling.top_k,

@@ -44,6 +44,7 @@ _HELP = {
                  "but the sample depends on the draft)"),
     "max_new_tokens": "the most tokens to generate",
     "stop": "stop string (repeatable)",
+    "stop_token_ids": "token ids that end generation like EOS, e.g. 106,1 (kept out of the text)",
     "chat": "wrap the prompt as a user turn of the chat template (the tokenizer's, --chat-template, or the built-in "
             "one of the model's family)",
 }

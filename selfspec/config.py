@@ -369,9 +369,13 @@ class GenerationConfig:
     max_new_tokens: int = 128
     stop: tuple[str, ...] = field(default=())
     chat: bool = False
+    stop_token_ids: tuple[int, ...] = ()  # end generation like an EOS token: kept in token_ids, not in text
 
     def __post_init__(self):
         coerce_fields(self)
         object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
+        object.__setattr__(self, "stop_token_ids", _sorted_set(self.stop_token_ids))
         if self.max_new_tokens < 1:
             raise SelfSpecError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ConfigError(f"stop_token_ids must be token ids (>= 0), got {list(self.stop_token_ids)}", "stop_token_ids")

@@ -106,13 +106,15 @@ class StreamEvent:
 
 class _Output:
     """Collects committed tokens one at a time and applies the stop rules exactly as plain
-    decoding would: EOS (kept in token_ids, not in text), max_new_tokens, stop strings
-    (text cut before the stop string; token_ids keep the token that completed it)."""
+    decoding would: EOS and gen.stop_token_ids (kept in token_ids, not in text; finish "eos"
+    and "stop"), max_new_tokens, stop strings (text cut before the stop string; token_ids keep
+    the token that completed it)."""
 
     def __init__(self, tokenizer, gen: GenerationConfig, eos_ids, on_event):
         self.tok = tokenizer
         self.gen = gen
         self.eos = set(eos_ids)
+        self.stop_ids = set(gen.stop_token_ids) - self.eos
         self.on_event = on_event
         self.ids: list[int] = []
         self.drafted: list[bool] = []
@@ -120,9 +122,10 @@ class _Output:
         self.finish: str | None = None
         self._track_text = bool(gen.stop) or on_event is not None
         self._emitted = 0
+        self._ended_by_token = False
 
     def _decode(self) -> str:
-        ids = self.ids[:-1] if self.finish == "eos" else self.ids  # EOS: in token_ids, never in text
+        ids = self.ids[:-1] if self._ended_by_token else self.ids  # EOS, a stop token: in token_ids, never in text
         return self.tok.decode(ids, skip_special_tokens=True) if self.tok is not None else ""
 
     def push(self, tokens: list[int], drafted: list[bool]) -> None:
@@ -131,8 +134,11 @@ class _Output:
                 return
             self.ids.append(t)
             self.drafted.append(d)
-            if t in self.eos:
-                self.finish = "eos"
+            if t in self.eos or t in self.stop_ids:
+                self.finish = "eos" if t in self.eos else "stop"
+                self._ended_by_token = True
+                if self._track_text:
+                    self.text = self._decode()  # a stop token's own text never shows
             elif self._track_text:
                 self._update_text()
             if self.finish is None and len(self.ids) >= self.gen.max_new_tokens:

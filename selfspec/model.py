@@ -14,7 +14,7 @@ import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 
 import torch
 
@@ -301,6 +301,7 @@ class SelfSpecModel:
         seed: int | None = None,
         coupling: str = SamplingConfig.coupling,
         stop: list[str] | str | None = None,
+        stop_token_ids: list[int] | None = None,
         chat: bool = False,
         strategy: str | None = None,
         profile: str | Profile | None = None,
@@ -308,7 +309,7 @@ class SelfSpecModel:
         on_event=None,
         **draft_options,
     ) -> GenerationResult:
-        gen, cfg = self._request_options(max_new_tokens, stop, chat, strategy, profile, draft, draft_options)
+        gen, cfg = self._request_options(max_new_tokens, stop, stop_token_ids, chat, strategy, profile, draft, draft_options)
         sampling = SamplingConfig(temperature=float(temperature), top_k=top_k, top_p=top_p, seed=seed, coupling=coupling)
         ids = self.encode(prompt, chat)
         gen = self._within_context(gen, ids)
@@ -316,9 +317,11 @@ class SelfSpecModel:
             drafter = self.drafter(cfg)
             return generate(self.runtime, drafter, ids, gen, sampling, self.tokenizer, self.eos_token_ids, on_event)
 
-    def _request_options(self, max_new_tokens, stop, chat, strategy, profile, draft, draft_options) -> tuple[GenerationConfig, DraftConfig]:
+    def _request_options(self, max_new_tokens, stop, stop_token_ids, chat, strategy, profile, draft,
+                         draft_options) -> tuple[GenerationConfig, DraftConfig]:
         """generate / generate_batch's options as configs (a DraftConfig, or strategy/profile/options)."""
-        gen = GenerationConfig(max_new_tokens=max_new_tokens, stop=tuple(stop) if isinstance(stop, (list, tuple)) else (stop or ()), chat=chat)
+        gen = GenerationConfig(max_new_tokens=max_new_tokens, stop=tuple(stop) if isinstance(stop, (list, tuple)) else (stop or ()),
+                               chat=chat, stop_token_ids=tuple(stop_token_ids or ()))
         if draft is not None and (strategy is not None or profile is not None or draft_options):
             raise SelfSpecError("pass either draft=DraftConfig(...) or strategy/profile/draft options, not both")
         return gen, draft if draft is not None else self.draft_config(strategy, profile, **draft_options)
@@ -326,7 +329,7 @@ class SelfSpecModel:
     def _within_context(self, gen: GenerationConfig, ids: list[int]) -> GenerationConfig:
         """gen with its budget cut to what the context leaves after the prompt."""
         budget = min(gen.max_new_tokens, self.context_length - len(ids))
-        return gen if budget == gen.max_new_tokens else GenerationConfig(budget, gen.stop, gen.chat)
+        return gen if budget == gen.max_new_tokens else replace(gen, max_new_tokens=budget)
 
     def generate_batch(
         self,
@@ -339,6 +342,7 @@ class SelfSpecModel:
         seed: int | list[int | None] | None = None,
         coupling: str = SamplingConfig.coupling,
         stop: list[str] | str | None = None,
+        stop_token_ids: list[int] | None = None,
         chat: bool = False,
         strategy: str | None = None,
         profile: str | Profile | None = None,
@@ -352,7 +356,7 @@ class SelfSpecModel:
         the same options, applied to every prompt (`seed` may be a list, one per prompt;
         `on_event(index, event)` streams). result[i] has exactly the tokens
         generate(prompts[i], ...) would give, greedy or with the same seed."""
-        gen, cfg = self._request_options(max_new_tokens, stop, chat, strategy, profile, draft, draft_options)
+        gen, cfg = self._request_options(max_new_tokens, stop, stop_token_ids, chat, strategy, profile, draft, draft_options)
         seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(prompts)
         if len(seeds) != len(prompts):
             raise SelfSpecError(f"{len(seeds)} seeds for {len(prompts)} prompts")

@@ -404,7 +404,7 @@ ERROR_CASES = [
     ("/v1/completions", {"model": NAME, "prompt": LONG}, 400, "context_length_exceeded"),
     ("/v1/completions", {"model": NAME, "prompt": "Hi", "max_tokens": 301}, 400, "max_tokens_exceeded"),
     ("/v1/completions", {"model": NAME, "prompt": "Hi", "max_tokens": 0}, 400, "invalid_value"),
-    ("/v1/completions", {"model": NAME, "prompt": "Hi", "n": 2}, 400, "unsupported_parameter"),
+    ("/v1/completions", {"model": NAME, "prompt": "Hi", "n": 0}, 400, "invalid_value"),
     ("/v1/completions", {"model": NAME, "prompt": "Hi", "logprobs": 3}, 400, "unsupported_parameter"),
     ("/v1/completions", {"model": NAME, "prompt": "Hi", "presence_penalty": 0.5}, 400, "unsupported_parameter"),
     ("/v1/completions", {"model": NAME, "prompt": "Hi", "frobnicate": 1}, 400, "unrecognized_argument"),

@@ -63,33 +63,36 @@ class Metrics:
             self._totals["accepted"] += stats.accepted
             self._totals["steps"] += stats.verify_steps
 
-    def record(self, endpoint: str, status: int, job=None, result=None, info: dict | None = None) -> None:
+    def record(self, endpoint: str, status: int, job=None, results=None, info: dict | None = None) -> None:
         """The request's one outcome: counted here, and written into `info` (the ASGI scope's
-        state, which the access log reads) so the log line says the same."""
+        state, which the access log reads) so the log line says the same. job: the request's
+        Choices (server.choices); results: its choices' GenerationResults."""
         self.requests.labels(endpoint, str(status)).inc()
         with self._lock:
             self.outcomes[status] += 1
         if status == CLIENT_GONE:
             self.cancelled.inc()
-        if result is not None:
-            self.prompt_tokens.inc(result.prompt_tokens)
-            self.generation_tokens.inc(len(result.token_ids))
-            self._add_generation(result.stats)
-            end = job.t_last or time.perf_counter()
-            if job.t_first is not None:
-                self.ttft.observe(job.t_first - job.t_arrival)
-                if job.n_tokens > 1:
-                    self.tpot.observe((end - job.t_first) / (job.n_tokens - 1))
-            self.latency.observe(end - job.t_arrival)
+        if results:
+            self.prompt_tokens.inc(results[0].prompt_tokens)
+            runs = job.jobs if len(job.jobs) == len(results) else job.jobs[:1]  # greedy choices: one run
+            for j, result in zip(runs, results):
+                self.generation_tokens.inc(len(result.token_ids))
+                self._add_generation(result.stats)
+                end = j.t_last or time.perf_counter()
+                if j.t_first is not None:
+                    self.ttft.observe(j.t_first - j.t_arrival)
+                    if j.n_tokens > 1:
+                        self.tpot.observe((end - j.t_first) / (j.n_tokens - 1))
+                self.latency.observe(end - j.t_arrival)
         if info is not None:
-            _describe(info, status, job, result)
+            _describe(info, status, job, results)
 
     def outcome_counts(self) -> dict[str, int]:
         with self._lock:
             return {str(k): v for k, v in sorted(self.outcomes.items())}
 
 
-def _describe(info: dict, status: int, job, result) -> None:
+def _describe(info: dict, status: int, job, results) -> None:
     info["selfspec_status"] = status
     if status == CLIENT_GONE:
         info["selfspec_outcome"] = "client-gone"
@@ -100,7 +103,8 @@ def _describe(info: dict, status: int, job, result) -> None:
             info["selfspec_queue_s"] = job.t_start - job.t_arrival
         if job.t_first is not None:
             info["selfspec_ttft_s"] = job.t_first - job.t_arrival
-    if result is not None:
-        info["selfspec_completion_tokens"] = len(result.token_ids)
-        info["selfspec_finish"] = result.finish_reason
-        info["selfspec_acceptance"] = result.stats.acceptance_rate
+    if results:
+        drafted = sum(r.stats.drafted for r in results)
+        info["selfspec_completion_tokens"] = sum(len(r.token_ids) for r in results)
+        info["selfspec_finish"] = ",".join(r.finish_reason for r in results)
+        info["selfspec_acceptance"] = sum(r.stats.accepted for r in results) / drafted if drafted else 0.0

@@ -7,9 +7,11 @@ Two stages, so that nothing expensive runs on the event loop:
                                                 # bound is refused here, untokenized
     encode(request, model, limits) -> Params    # tokenizes exactly once (run it in a thread)
 
-Request fields honoured: model, max_tokens (chat: also max_completion_tokens), temperature
-(OpenAI's default 1.0 when absent), top_p, top_k (extension; 0 or -1 = off), seed, stop
-(string or list), n (1 only), stream, stream_options.include_usage, user (ignored), and the
+Request fields honoured: model, max_tokens (or its newer name max_completion_tokens, which wins
+when both are given), temperature (OpenAI's default 1.0 when absent), top_p, top_k (extension;
+0 or -1 = off), seed, stop (string or list), stop_token_ids (vLLM's extension: token ids that end
+the choice like EOS), n (1..MAX_N choices, one sequence each in the continuous batch; with a
+seed, choice i samples with seed + i), stream, stream_options.include_usage, user (ignored), and the
 extension object `"selfspec": {"strategy": ..., "exit_layer": ..., ...}` which changes the
 draft configuration for this request only, within the operator's limits. An option the
 chosen strategy does not use is an error (DraftConfig's own rule), as on the CLI. Its
@@ -19,18 +21,19 @@ sampling option, accepted even where draft options are not.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 
-from selfspec.config import COUPLINGS, STRATEGIES, ConfigError, ConfigTypeError, DraftConfig, SamplingConfig, typed
+from selfspec.config import STRATEGIES, ConfigError, ConfigTypeError, DraftConfig, SamplingConfig, typed
 from selfspec.errors import SelfSpecError
 from selfspec.server.errors import APIError, bad
+from selfspec.server.fields import (is_int, parse_coupling, parse_n, parse_sampling, parse_stop,
+                                    parse_stop_token_ids)
 from selfspec.server.settings import MAX_REQUEST_NGRAM, REQUEST_DRAFT_OPTIONS, PromptLimits, ServerSettings
 
-_COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
-                  "stream_options", "user", "selfspec", "metadata", "store", "service_tier"}
+_COMMON_FIELDS = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                  "stop_token_ids", "n", "stream", "stream_options", "user", "selfspec", "metadata", "store", "service_tier"}
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
-_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens"}
+_CHAT_FIELDS = _COMMON_FIELDS | {"messages"}
 # Accepted only at their "off" value (or null): anything else is a clear 400.
 _OFF_VALUES = {
     "presence_penalty": (0,),
@@ -98,6 +101,8 @@ class Request:
     stream: bool
     include_usage: bool
     draft: DraftConfig
+    n: int = 1
+    stop_token_ids: tuple[int, ...] = ()
     ids: list[int] | None = None  # a prompt given as token ids
     text: str | None = None  # a text prompt (completions)
     messages: list[dict] | None = None  # a conversation (chat), roles normalised
@@ -115,6 +120,8 @@ class Params:
     include_usage: bool
     draft: DraftConfig
     model: str
+    n: int = 1  # choices
+    stop_token_ids: tuple[int, ...] = ()
 
 
 def _is_off(name: str, v) -> bool:
@@ -129,14 +136,6 @@ def _is_off(name: str, v) -> bool:
     return False
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
-
-
 # ---- stage 1: validation (cheap, on the event loop) --------------------------------------
 
 
@@ -145,9 +144,7 @@ def parse_request(body: dict, chat: bool, ctx: ParseContext) -> Request:
     as that is possible without tokenizing (token ids: exactly; text: the character bound)."""
     _check_fields(body, chat)
     model = _parse_model(body.get("model"), ctx)
-    n = body.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
-        raise bad("Only n=1 is supported (one completion per request).", param="n", code="unsupported_parameter")
+    n = parse_n(body.get("n"))
     stream, include_usage = _parse_stream(body)
     max_tokens = _parse_max_tokens(body, chat, ctx.settings)
     coupling, ext = parse_coupling(body.get("selfspec"), ctx.settings.coupling)
@@ -155,7 +152,8 @@ def parse_request(body: dict, chat: bool, ctx: ParseContext) -> Request:
     stop = parse_stop(body.get("stop"), ctx.settings.max_stop)
     draft = parse_draft(ext, ctx)
     common = dict(chat=chat, model=model, max_tokens=max_tokens, sampling=sampling, stop=stop, stream=stream,
-                  include_usage=include_usage, draft=draft)
+                  include_usage=include_usage, draft=draft, n=n,
+                  stop_token_ids=parse_stop_token_ids(body.get("stop_token_ids"), ctx.vocab_size))
     if chat:
         return Request(**common, messages=parse_messages(body.get("messages"), ctx.limits))
     prompt = parse_prompt(body.get("prompt"), ctx)
@@ -206,11 +204,11 @@ def _parse_stream(body: dict) -> tuple[bool, bool]:
 
 def _parse_max_tokens(body: dict, chat: bool, settings: ServerSettings) -> int:
     max_tokens, pname = body.get("max_tokens"), "max_tokens"
-    if chat and body.get("max_completion_tokens") is not None:
+    if body.get("max_completion_tokens") is not None:
         max_tokens, pname = body["max_completion_tokens"], "max_completion_tokens"
     if max_tokens is None:
         return settings.default_max_tokens
-    if not _is_int(max_tokens):
+    if not is_int(max_tokens):
         raise bad(f"'{pname}' must be an integer.", param=pname, code="invalid_type")
     if max_tokens < 1:
         raise bad(f"'{pname}' must be at least 1, got {max_tokens}.", param=pname, code="invalid_value")
@@ -218,66 +216,6 @@ def _parse_max_tokens(body: dict, chat: bool, settings: ServerSettings) -> int:
         raise bad(f"'{pname}' is {max_tokens}; this server allows at most {settings.max_new_tokens_limit}.",
                   param=pname, code="max_tokens_exceeded")
     return max_tokens
-
-
-def parse_sampling(body: dict) -> SamplingConfig:
-    t = body.get("temperature")
-    if t is None:
-        t = 1.0
-    if not _is_num(t):
-        raise bad("'temperature' must be a number.", param="temperature", code="invalid_type")
-    if not 0 <= t <= 2:
-        raise bad(f"'temperature' must be in [0, 2], got {t}.", param="temperature", code="invalid_value")
-    top_p = body.get("top_p")
-    if top_p is not None:
-        if not _is_num(top_p):
-            raise bad("'top_p' must be a number.", param="top_p", code="invalid_type")
-        if not 0 < top_p <= 1:
-            raise bad(f"'top_p' must be in (0, 1], got {top_p}.", param="top_p", code="invalid_value")
-        top_p = None if top_p == 1 else float(top_p)
-    top_k = body.get("top_k")
-    if top_k is not None:
-        if not _is_int(top_k):
-            raise bad("'top_k' must be an integer.", param="top_k", code="invalid_type")
-        if top_k < -1:
-            raise bad(f"'top_k' must be >= 1 (0 or -1: off), got {top_k}.", param="top_k", code="invalid_value")
-        top_k = None if top_k <= 0 else top_k
-    seed = body.get("seed")
-    if seed is not None:
-        if not _is_int(seed):
-            raise bad("'seed' must be an integer.", param="seed", code="invalid_type")
-        if not -(2**63) <= seed < 2**64:
-            raise bad("'seed' must fit in 64 bits.", param="seed", code="invalid_value")
-    try:
-        return SamplingConfig(temperature=float(t), top_k=top_k, top_p=top_p, seed=seed)
-    except SelfSpecError as e:
-        raise bad(str(e), code="invalid_value") from None
-
-
-def parse_stop(stop, max_stop: int) -> tuple[str, ...]:
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise bad("'stop' must be a string or a list of strings.", param="stop", code="invalid_type")
-    if len(stop) > max_stop:
-        raise bad(f"At most {max_stop} stop strings are allowed.", param="stop", code="invalid_value")
-    return tuple(s for s in stop if s)
-
-
-def parse_coupling(ext, default: str):
-    """(the request's coupling, the `selfspec` object without it): the server's rule when the
-    object names none."""
-    if not isinstance(ext, dict) or "coupling" not in ext:
-        return default, ext
-    c = ext["coupling"]
-    if not isinstance(c, str):
-        raise bad("'selfspec.coupling' must be a string.", param="selfspec.coupling", code="invalid_type")
-    if c not in COUPLINGS:
-        raise bad(f"'selfspec.coupling' must be one of {', '.join(COUPLINGS)}, got {c!r}.", param="selfspec.coupling",
-                  code="invalid_value")
-    return c, {k: v for k, v in ext.items() if k != "coupling"}
 
 
 def parse_draft(ext, ctx: ParseContext) -> DraftConfig:
@@ -356,7 +294,7 @@ def parse_prompt(prompt, ctx: ParseContext) -> str | list[int]:
     if isinstance(prompt, list):
         if not prompt:
             raise bad("The prompt is empty.", param="prompt", code="empty_prompt")
-        if all(_is_int(t) for t in prompt):
+        if all(is_int(t) for t in prompt):
             check_ids(prompt, ctx.limits, ctx.vocab_size, "prompt")
             return list(prompt)
         if all(isinstance(p, (str, list)) for p in prompt):
@@ -423,7 +361,8 @@ def encode(req: Request, model, ctx: ParseContext) -> Params:
     else:
         ids, param = _chat_ids(req.messages, model), "messages"
     check_ids(ids, ctx.limits, ctx.vocab_size, param)
-    return Params(ids, req.max_tokens, req.sampling, req.stop, req.stream, req.include_usage, req.draft, req.model)
+    return Params(ids, req.max_tokens, req.sampling, req.stop, req.stream, req.include_usage, req.draft, req.model, req.n,
+                  req.stop_token_ids)
 
 
 def _tokenize(text: str, model) -> list[int]:

@@ -33,12 +33,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from selfspec.config import DraftConfig
 from selfspec.errors import SelfSpecError
+from selfspec.server.choices import Choices
 from selfspec.server.errors import APIError, ClientGone, bad
 from selfspec.server.metrics import CLIENT_GONE, Metrics
 from selfspec.server.parsing import ParseContext, encode, parse_request
 from selfspec.server.settings import ServerSettings
 from selfspec.server.streaming import LogRequests, plain_body, stream_response
-from selfspec.server.worker import Admission, Job, Worker
+from selfspec.server.worker import Admission, Worker
 
 log = logging.getLogger("selfspec.server")
 
@@ -136,7 +137,7 @@ async def _watch_disconnect(request: Request) -> None:
             return
 
 
-async def _next(job: Job, watcher: asyncio.Future, timeout: float | None = None):
+async def _next(job: Choices, watcher: asyncio.Future, timeout: float | None = None):
     """The job's next event; ClientGone if the client leaves first; TimeoutError."""
     get = asyncio.ensure_future(job.events.get())
     done, _ = await asyncio.wait({get, watcher}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
@@ -154,7 +155,7 @@ async def _next(job: Job, watcher: asyncio.Future, timeout: float | None = None)
     raise asyncio.TimeoutError()
 
 
-async def _wait_for_start(srv: Server, job: Job, watcher: asyncio.Future) -> None:
+async def _wait_for_start(srv: Server, job: Choices, watcher: asyncio.Future) -> None:
     """Until the engine takes the job up; 503 after queue_timeout_s; ClientGone."""
     timeout = srv.settings.queue_timeout_s
     try:
@@ -179,11 +180,12 @@ async def handle(srv: Server, request: Request, chat: bool):
     except APIError as e:
         srv.metrics.record(endpoint, e.status, info=info)
         return srv.error_response(e)
-    job = Job(asyncio.get_running_loop(), params, t_arrival)
+    job = Choices(asyncio.get_running_loop(), params, t_arrival)
     handed_over = False
     watcher = asyncio.ensure_future(_watch_disconnect(request))
     try:
-        srv.worker.submit(job)
+        for j in job.jobs:
+            srv.worker.submit(j)
         await _wait_for_start(srv, job, watcher)
         item = await _next(job, watcher)
         if params.stream and item[0] in ("tok", "done"):
@@ -207,7 +209,7 @@ async def handle(srv: Server, request: Request, chat: bool):
             srv.admission.release()
 
 
-def _finish_plain(srv: Server, job: Job, item, chat: bool, endpoint: str, info: dict):
+def _finish_plain(srv: Server, job: Choices, item, chat: bool, endpoint: str, info: dict):
     kind = item[0]
     if kind == "error":
         e = item[1]
@@ -220,9 +222,9 @@ def _finish_plain(srv: Server, job: Job, item, chat: bool, endpoint: str, info: 
         return srv.error_response(err)
     if kind != "done":
         raise ClientGone()
-    result = item[1]
-    body, rid = plain_body(srv, job, result, chat)
-    srv.metrics.record(endpoint, 200, job, result, info=info)
+    results = item[1]
+    body, rid = plain_body(srv, job, results, chat)
+    srv.metrics.record(endpoint, 200, job, results, info=info)
     return JSONResponse(body, headers={"X-Request-Id": rid, **srv.headers})
 
 

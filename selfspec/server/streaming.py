@@ -53,9 +53,10 @@ class LogRequests:
             log.info('%s "%s %s" %s %.3fs%s', client[0], scope["method"], scope["path"], code, time.perf_counter() - t0, extra)
 
 
-def usage(result) -> dict:
-    n = len(result.token_ids)
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": n, "total_tokens": result.prompt_tokens + n}
+def usage(results) -> dict:
+    """OpenAI's usage of a request: its prompt once, every choice's tokens."""
+    prompt, n = results[0].prompt_tokens, sum(len(r.token_ids) for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
 
 
 def finish_reason(result) -> str:
@@ -66,42 +67,41 @@ def sse(obj) -> str:
     return "data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n\n"
 
 
-def stats(srv, job, result) -> dict:
-    """The `selfspec` object of a response: the generation's speculative statistics."""
+def _generation_stats(result) -> dict:
     s = result.stats
-    d = {
-        "strategy": job.params.draft.strategy,
-        "draft": job.params.draft.to_dict(),
-        "drafted": s.drafted,
-        "accepted": s.accepted,
-        "acceptance_rate": s.acceptance_rate,
-        "mean_accepted_length": s.mean_accepted_length,
-        "verify_steps": s.verify_steps,
-        "per_position_accepted": s.per_position_accepted,
-        "per_position_drafted": s.per_position_drafted,
-        "new_tokens": s.new_tokens,
-        "stop_reason": result.finish_reason,
-        "time_to_first_token_s": s.time_to_first_token_s,
-        "time_s": s.time_s,
-        "tokens_per_second": s.tokens_per_second,
-        "queue_time_s": (job.t_start - job.t_arrival) if job.t_start else 0.0,
-        "server_time_to_first_token_s": (job.t_first - job.t_arrival) if job.t_first else None,
-    }
+    return {"drafted": s.drafted, "accepted": s.accepted, "acceptance_rate": s.acceptance_rate,
+            "mean_accepted_length": s.mean_accepted_length, "verify_steps": s.verify_steps,
+            "per_position_accepted": s.per_position_accepted, "per_position_drafted": s.per_position_drafted,
+            "new_tokens": s.new_tokens, "stop_reason": result.finish_reason, "time_to_first_token_s": s.time_to_first_token_s,
+            "time_s": s.time_s, "tokens_per_second": s.tokens_per_second}
+
+
+def stats(srv, job, results) -> dict:
+    """The `selfspec` object of a response: the generation's speculative statistics (of the
+    first choice; with n > 1 every choice's under "choices")."""
+    d = {"strategy": job.params.draft.strategy, "draft": job.params.draft.to_dict(), **_generation_stats(results[0]),
+         "queue_time_s": (job.t_start - job.t_arrival) if job.t_start else 0.0,
+         "server_time_to_first_token_s": (job.t_first - job.t_arrival) if job.t_first else None}
+    if len(results) > 1:
+        d["choices"] = [_generation_stats(r) for r in results]
     if srv.settings.replica_id:
         d["replica"] = srv.settings.replica_id
     return d
 
 
-def plain_body(srv, job, result, chat: bool) -> tuple[dict, str]:
+def plain_body(srv, job, results, chat: bool) -> tuple[dict, str]:
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    choice = {"index": 0, "logprobs": None, "finish_reason": finish_reason(result)}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": result.text}
-    else:
-        choice["text"] = result.text
+    choices = []
+    for i, result in enumerate(results):
+        choice = {"index": i, "logprobs": None, "finish_reason": finish_reason(result)}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": result.text}
+        else:
+            choice["text"] = result.text
+        choices.append(choice)
     body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": job.params.model, "system_fingerprint": srv.fingerprint_of(job.params.sampling.coupling), "choices": [choice],
-            "usage": usage(result), "selfspec": stats(srv, job, result)}
+            "model": job.params.model, "system_fingerprint": srv.fingerprint_of(job.params.sampling.coupling), "choices": choices,
+            "usage": usage(results), "selfspec": stats(srv, job, results)}
     return body, rid
 
 
@@ -116,7 +116,7 @@ class _Chunks:
                      "created": int(time.time()), "model": job.params.model,
                      "system_fingerprint": srv.fingerprint_of(job.params.sampling.coupling)}
 
-    def chunk(self, delta_text: str | None, finish: str | None = None, role: bool = False) -> str:
+    def chunk(self, index: int, delta_text: str | None, finish: str | None = None, role: bool = False) -> str:
         if self.chat:
             delta = {}
             if role:
@@ -124,9 +124,9 @@ class _Chunks:
                 delta["content"] = ""
             elif delta_text is not None:
                 delta["content"] = delta_text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": delta_text or "", "logprobs": None, "finish_reason": finish}
         c = {**self.base, "choices": [choice]}
         if self.include_usage:
             c["usage"] = None
@@ -136,35 +136,39 @@ class _Chunks:
 async def _events(srv, job, first, ch: _Chunks, state: dict):
     # The engine's deltas are already safe to send: it holds back text that could still
     # become a stop string or an incomplete character (engine._Output).
-    sent, item = "", first
+    n = job.n
+    sent, item = [""] * n, first
     if ch.chat:
-        yield ch.chunk(None, role=True)
+        for i in range(n):
+            yield ch.chunk(i, None, role=True)
     while item[0] == "tok":
-        out = item[1]
+        out = {item[1]: item[2]}
         item = None
         while not job.events.empty():  # coalesce what the engine committed meanwhile
             nxt = job.events.get_nowait()
             if nxt[0] != "tok":
                 item = nxt
                 break
-            out += nxt[1]
-        if out:
-            sent += out
-            yield ch.chunk(out)
+            out[nxt[1]] = out.get(nxt[1], "") + nxt[2]
+        for i, text in sorted(out.items()):
+            if text:
+                sent[i] += text
+                yield ch.chunk(i, text)
         if item is None:
             item = await job.events.get()
     if item[0] == "done":
-        result = state["result"] = item[1]
-        if result.text.startswith(sent):
-            rest = result.text[len(sent):]
-        else:  # cannot happen with a prefix-stable detokenizer; never resend
-            log.warning("streamed text diverged from the final text (request %s)", ch.rid)
-            rest = ""
-        if rest:
-            yield ch.chunk(rest)
-        yield ch.chunk(None if ch.chat else "", finish=finish_reason(result))
+        results = state["result"] = item[1]
+        for i, result in enumerate(results):
+            if result.text.startswith(sent[i]):
+                rest = result.text[len(sent[i]):]
+            else:  # cannot happen with a prefix-stable detokenizer; never resend
+                log.warning("streamed text diverged from the final text (request %s)", ch.rid)
+                rest = ""
+            if rest:
+                yield ch.chunk(i, rest)
+            yield ch.chunk(i, None if ch.chat else "", finish=finish_reason(result))
         if ch.include_usage:
-            yield sse({**ch.base, "choices": [], "usage": usage(result), "selfspec": stats(srv, job, result)})
+            yield sse({**ch.base, "choices": [], "usage": usage(results), "selfspec": stats(srv, job, results)})
         yield "data: [DONE]\n\n"
     elif item[0] == "error":
         e = item[1]

@@ -225,7 +225,8 @@ class Worker:
     def request(self, job: Job) -> BatchRequest:
         """The job as a BatchRequest: the budget, stop strings, sampling and draft of `generate`."""
         p: Params = job.params
-        gen = GenerationConfig(max_new_tokens=min(p.max_tokens, self.model.context_length - len(p.prompt_ids)), stop=p.stop)
+        gen = GenerationConfig(max_new_tokens=min(p.max_tokens, self.model.context_length - len(p.prompt_ids)), stop=p.stop,
+                               stop_token_ids=p.stop_token_ids)
         return BatchRequest(list(p.prompt_ids), gen, p.sampling, p.draft, lambda ev: self._on_event(job, ev))
 
     def _step(self) -> None:
