@@ -22,12 +22,14 @@ from selfspec.cli_args import (
     Parser,
     add_chat_template_arg,
     add_config_args,
+    add_grammar_args,
     add_draft_args,
     add_model_args,
     check_before_loading,
     choice,
     config_kwargs,
     draft_config_from_args,
+    grammar_from_args,
     load_model,
 )
 from selfspec.config import GenerationConfig, SamplingConfig
@@ -50,7 +52,7 @@ def cmd_generate(args) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt or not prompt.strip():
         raise SelfSpecError("the prompt is empty")
-    sampling = SamplingConfig(**config_kwargs(args, SamplingConfig))  # validate before loading
+    sampling = SamplingConfig(**config_kwargs(args, SamplingConfig), grammar=grammar_from_args(args))  # validate before loading
     gen = GenerationConfig(**{k: (tuple(v) if k == "stop" else v) for k, v in config_kwargs(args, GenerationConfig).items()})
     check_before_loading(args)
     chat = bool(args.chat) or args.chat_template is not None  # naming a template asks for chat
@@ -75,12 +77,19 @@ def cmd_generate(args) -> int:
         max_new_tokens=gen.max_new_tokens,
         stop=list(gen.stop),
         stop_token_ids=list(gen.stop_token_ids),
+        logprobs=gen.logprobs,
         chat=chat,
         temperature=sampling.temperature,
         top_k=sampling.top_k,
         top_p=sampling.top_p,
         seed=sampling.seed,
         coupling=sampling.coupling,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        repetition_penalty=sampling.repetition_penalty,
+        min_p=sampling.min_p,
+        logit_bias=sampling.logit_bias,
+        grammar=sampling.grammar,
         draft=draft,
         on_event=on_event,
     )
@@ -143,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", help="the prompt, or - to read it from stdin")
     add_model_args(g)
     add_config_args(g, GenerationConfig)
-    add_config_args(g, SamplingConfig)
+    add_config_args(g, SamplingConfig, skip=("grammar",))
+    add_grammar_args(g)
     add_chat_template_arg(g)
     add_draft_args(g)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")

@@ -12,8 +12,10 @@ import typing
 from dataclasses import MISSING, fields
 
 from selfspec.chat_templates import names, resolve
-from selfspec.config import COUPLINGS, REQUIRED, STRATEGIES, DraftConfig
+from selfspec.config import COUPLINGS, REQUIRED, STRATEGIES, DraftConfig, Grammar
+from selfspec.errors import SelfSpecError
 from selfspec.errors import unknown_choice
+from selfspec.grammar import compile_grammar
 from selfspec.loading import peek_shape
 from selfspec.model import load, merge_profile_draft
 from selfspec.profiles import load_profile, losing_note
@@ -45,6 +47,12 @@ _HELP = {
     "max_new_tokens": "the most tokens to generate",
     "stop": "stop string (repeatable)",
     "stop_token_ids": "token ids that end generation like EOS, e.g. 106,1 (kept out of the text)",
+    "logprobs": "record each new token's log-probability and this many most likely alternatives (0..20; see --json)",
+    "presence_penalty": "OpenAI's: subtract this from the logit of every token generated so far (-2..2)",
+    "frequency_penalty": "OpenAI's: subtract this times how often a token was generated so far (-2..2)",
+    "repetition_penalty": "transformers': divide a positive logit (multiply a negative one) of every prompt or generated token by this",
+    "min_p": "keep the tokens whose probability is at least this times the top token's (after temperature)",
+    "logit_bias": "add to token logits, e.g. 50256=-100,198=2 (-100 bans a token)",
     "chat": "wrap the prompt as a user turn of the chat template (the tokenizer's, --chat-template, or the built-in "
             "one of the model's family)",
 }
@@ -108,7 +116,9 @@ def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] 
         tp = _flag_type(hints[f.name])
         default = None  # None = "not given": the dataclass (or a profile) supplies the default
         help_ = with_default(helps.get(f.name, ""), f.default, "default" if f.name == "strategy" else default_label)
-        if tp is bool:  # --x / --no-x: a profile's default may be turned off
+        if hasattr(tp, "parse"):  # a value type with a text form of its own (LogitBias)
+            parser.add_argument(flag, type=str, default=None, help=help_)
+        elif tp is bool:  # --x / --no-x: a profile's default may be turned off
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=helps.get(f.name))
         elif f.name == "stop":
             parser.add_argument(flag, action="append", default=None, help=help_)
@@ -182,3 +192,36 @@ def draft_config_from_args(model, args) -> DraftConfig:
         if note:
             print(f"selfspec: warning: {note}", file=sys.stderr)
     return draft
+
+
+def add_grammar_args(p: argparse.ArgumentParser) -> None:
+    """Structured output (SamplingConfig.grammar): at most one of these."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--json-schema", default=None, metavar="FILE", help="the output is JSON valid under this JSON schema")
+    g.add_argument("--json-object", action="store_true", default=None, help="the output is a JSON object")
+    g.add_argument("--regex", default=None, metavar="PATTERN", help="the output matches this regular expression")
+    g.add_argument("--grammar", default=None, metavar="FILE", help="the output matches this Lark grammar (llguidance's dialect)")
+
+
+def grammar_from_args(args) -> Grammar | None:
+    """The grammar the flags name, read and compiled (a bad one fails before the weights load)."""
+    if getattr(args, "json_schema", None):
+        g = Grammar("json_schema", _read(args.json_schema))
+    elif getattr(args, "json_object", None):
+        g = Grammar("json_object")
+    elif getattr(args, "regex", None):
+        g = Grammar("regex", args.regex)
+    elif getattr(args, "grammar", None):
+        g = Grammar("lark", _read(args.grammar))
+    else:
+        return None
+    compile_grammar(g)
+    return g
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise SelfSpecError(f"cannot read {path}: {e.strerror}") from None

@@ -27,6 +27,7 @@ MAX_SPECULATIONS = 16  # verify passes stay within the row counts where the CPU 
 # that seed whatever drafts it); "rejection", speculative sampling's accept with min(1, p/q) and
 # resample (the same distribution, but the sample depends on the draft).
 COUPLINGS = ("gumbel", "rejection")
+MAX_LOGPROBS = 20  # the most alternatives per token a generation records (OpenAI's top_logprobs bound)
 
 
 class ConfigError(SelfSpecError):
@@ -111,6 +112,8 @@ def coerce(name: str, tp, value, text: bool = True):
             return tuple(coerce(name, item, v, text) for v in value)
         except ConfigError:
             raise ConfigTypeError(f"{name} must be a list of {'integers' if item is int else 'strings'}, got {value!r}", name) from None
+    if isinstance(tp, type) and hasattr(tp, "parse") and not isinstance(value, tp):
+        return tp.parse(value, name)  # a small value type with its own text and JSON forms (LogitBias, Grammar)
     if isinstance(tp, type) and hasattr(tp, "from_dict") and isinstance(value, dict):
         return tp.from_dict(value)
     if isinstance(tp, type) and not isinstance(value, tp):
@@ -154,15 +157,69 @@ def _sorted_set(values: tuple[int, ...]) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
+class LogitBias:
+    """token id -> a value added to its logit (OpenAI's logit_bias; -100 bans, +100 forces)."""
+
+    items: tuple[tuple[int, float], ...] = ()  # (token, bias), ascending token ids
+
+    @classmethod
+    def parse(cls, value, name: str = "logit_bias") -> LogitBias:
+        """{token: bias} (JSON keys may be strings), [(token, bias), ...] or "token=bias,...". """
+        if isinstance(value, str):
+            value = [kv.split("=", 1) if "=" in kv else (kv, None) for kv in value.replace(" ", "").split(",") if kv]
+        pairs = value.items() if isinstance(value, dict) else value
+        try:
+            out = {int(t): float(b) for t, b in pairs}
+        except (TypeError, ValueError):
+            raise ConfigTypeError(f"{name} must map token ids to numbers (e.g. 50256=-100), got {value!r}", name) from None
+        if any(t < 0 for t in out) or not all(-100.0 <= b <= 100.0 for b in out.values()):
+            raise ConfigError(f"{name} must map token ids (>= 0) to biases in [-100, 100], got {value!r}", name)
+        return cls(tuple(sorted(out.items())))
+
+
+GRAMMARS = ("json_object", "json_schema", "regex", "lark")
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """Structured output: the text must match it (grammar.py). kind: GRAMMARS; source: the JSON
+    schema (JSON text), the regular expression or the Lark grammar ("" for json_object)."""
+
+    kind: str
+    source: str = ""
+
+    def __post_init__(self):
+        if self.kind not in GRAMMARS:
+            raise ConfigError(unknown_choice("grammar kind", self.kind, GRAMMARS), "grammar")
+        if self.kind != "json_object" and not self.source.strip():
+            raise ConfigError(f"the {self.kind} grammar is empty", "grammar")
+
+    @classmethod
+    def parse(cls, value, name: str = "grammar") -> Grammar:
+        """{"kind": ..., "source": ...}, or (kind, source)."""
+        try:
+            return cls(**value) if isinstance(value, dict) else cls(*value)
+        except TypeError:
+            raise ConfigTypeError(f"{name} must be {{'kind': ..., 'source': ...}}, got {value!r}", name) from None
+
+
+@dataclass(frozen=True)
 class SamplingConfig:
     """temperature 0 means greedy; top_k / top_p apply to both draft and target; coupling: how
-    a sampled draft is accepted (COUPLINGS)."""
+    a sampled draft is accepted (COUPLINGS). The logits processors (penalties, bias, min_p,
+    grammar: processors.py) apply to the target at every position and to the drafts alike."""
 
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
     coupling: str = "gumbel"  # a seed is one text, whatever drafts it (COUPLINGS)
+    presence_penalty: float = 0.0  # OpenAI's: minus this from the logit of every token generated so far
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times how often the token was generated so far
+    repetition_penalty: float = 1.0  # transformers': a prompt or generated token's logit / r if > 0, else * r
+    min_p: float = 0.0  # keep the tokens with p >= min_p * (the top token's p), after temperature
+    logit_bias: LogitBias | None = None  # added to the logits first (OpenAI's logit_bias)
+    grammar: Grammar | None = None  # structured output: only tokens the grammar allows
 
     def __post_init__(self):
         coerce_fields(self)
@@ -174,6 +231,21 @@ class SamplingConfig:
             raise SelfSpecError(f"top_k must be a positive integer, got {self.top_k}")
         if self.top_p is not None and not (0.0 < self.top_p <= 1.0):
             raise SelfSpecError(f"top_p must be in (0, 1], got {self.top_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ConfigError(f"{name} must be in [-2, 2], got {getattr(self, name)}", name)
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise ConfigError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}", "repetition_penalty")
+        if not 0.0 <= self.min_p < 1.0:
+            raise ConfigError(f"min_p must be in [0, 1), got {self.min_p}", "min_p")
+        if self.logit_bias is not None and not self.logit_bias.items:
+            object.__setattr__(self, "logit_bias", None)
+
+    @property
+    def processed(self) -> bool:
+        """Whether any logits processor changes the logits (processors.py)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or (self.min_p and not self.greedy) or self.logit_bias is not None or self.grammar is not None)
 
     @property
     def greedy(self) -> bool:
@@ -370,6 +442,7 @@ class GenerationConfig:
     stop: tuple[str, ...] = field(default=())
     chat: bool = False
     stop_token_ids: tuple[int, ...] = ()  # end generation like an EOS token: kept in token_ids, not in text
+    logprobs: int | None = None  # record each new token's log-probability and this many top alternatives (0..20)
 
     def __post_init__(self):
         coerce_fields(self)
@@ -377,5 +450,7 @@ class GenerationConfig:
         object.__setattr__(self, "stop_token_ids", _sorted_set(self.stop_token_ids))
         if self.max_new_tokens < 1:
             raise SelfSpecError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ConfigError(f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs}", "logprobs")
         if any(t < 0 for t in self.stop_token_ids):
             raise ConfigError(f"stop_token_ids must be token ids (>= 0), got {list(self.stop_token_ids)}", "stop_token_ids")

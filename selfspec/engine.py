@@ -21,7 +21,9 @@ import torch
 from selfspec.config import MAX_SPECULATIONS, GenerationConfig, SamplingConfig
 from selfspec.drafters.base import Draft, Drafter, Step
 from selfspec.coupling import GumbelPicks, gumbel_token, noise_key
-from selfspec.sampling import Rows, distribution, make_rng
+from selfspec.logprobs import TokenLogprob
+from selfspec.processors import Argmaxes, Processing
+from selfspec.sampling import PointMass, Rows, distribution, make_rng
 from selfspec.verification import coupled_accept, greedy_accept, speculative_accept
 
 
@@ -40,6 +42,8 @@ class GenerationStats:
     time_s: float = 0.0
     time_to_first_token_s: float = 0.0
     longest_stall_s: float = 0.0  # batch engine: the longest wait between two deliveries of new tokens
+    free_drafted: int = 0  # tokens a grammar forced, drafted for free (no drafter ran; not in drafted)
+    free_accepted: int = 0  # of those, accepted (the certain ones always are)
     draft: dict | None = None  # what drafted: the configuration and its label (auto: the draft it gated, and where it came from)
 
     def count_step(self, drafted: int, accepted: int) -> None:
@@ -60,8 +64,8 @@ class GenerationStats:
 
     @property
     def mean_accepted_length(self) -> float:
-        """Tokens produced per verify step, the verifier's own token included."""
-        return (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
+        """Tokens produced per verify step, the verifier's own token and free drafts included."""
+        return (self.accepted + self.free_accepted + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -86,15 +90,19 @@ class GenerationResult:
     finish_reason: str  # "eos" | "stop" | "length"
     stats: GenerationStats
     drafted_mask: list[bool]  # per new token: was it a draft the verifier accepted?
+    logprobs: list[TokenLogprob] | None = None  # per new token (GenerationConfig.logprobs): logprobs.py
 
     def to_dict(self) -> dict:
-        return {
+        d = {
             "text": self.text,
             "token_ids": self.token_ids,
             "prompt_tokens": self.prompt_tokens,
             "finish_reason": self.finish_reason,
             "stats": self.stats.to_dict(),
         }
+        if self.logprobs is not None:
+            d["logprobs"] = [{"token": e.token, "logprob": e.logprob, "top": e.top} for e in self.logprobs]
+        return d
 
 
 @dataclass
@@ -102,6 +110,7 @@ class StreamEvent:
     text: str  # text delta since the previous event (may be empty mid-character)
     token_id: int
     drafted: bool  # True: an accepted draft token; False: produced by the verifier
+    logprob: TokenLogprob | None = None  # with GenerationConfig.logprobs
 
 
 class _Output:
@@ -128,8 +137,8 @@ class _Output:
         ids = self.ids[:-1] if self._ended_by_token else self.ids  # EOS, a stop token: in token_ids, never in text
         return self.tok.decode(ids, skip_special_tokens=True) if self.tok is not None else ""
 
-    def push(self, tokens: list[int], drafted: list[bool]) -> None:
-        for t, d in zip(tokens, drafted):
+    def push(self, tokens: list[int], drafted: list[bool], logprobs: list[TokenLogprob] | None = None) -> None:
+        for i, (t, d) in enumerate(zip(tokens, drafted)):
             if self.finish is not None:
                 return
             self.ids.append(t)
@@ -144,7 +153,7 @@ class _Output:
             if self.finish is None and len(self.ids) >= self.gen.max_new_tokens:
                 self.finish = "length"
             if self.on_event is not None:
-                self._emit(t, d)
+                self._emit(t, d, logprobs[i] if logprobs else None)
 
     def _update_text(self) -> None:
         text = self._decode()
@@ -157,7 +166,7 @@ class _Output:
                 self.finish = "stop"
         self.text = text
 
-    def _emit(self, token: int, drafted: bool) -> None:
+    def _emit(self, token: int, drafted: bool, logprob: TokenLogprob | None) -> None:
         text = self.text
         safe = len(text)
         if self.finish is None:
@@ -166,7 +175,7 @@ class _Output:
             safe -= self._stop_prefix_len(text[:safe])  # might become a stop string: wait
         delta = text[self._emitted : safe] if safe > self._emitted else ""
         self._emitted = max(self._emitted, safe)
-        self.on_event(StreamEvent(delta, token, drafted))
+        self.on_event(StreamEvent(delta, token, drafted, logprob))
 
     def _stop_prefix_len(self, text: str) -> int:
         """Length of the longest suffix of text that is a proper prefix of a stop string."""
@@ -182,23 +191,64 @@ class _Output:
         return self.text if self._track_text else self._decode()
 
 
-def sample_token(logits: torch.Tensor | int, sampling: SamplingConfig, rng: torch.Generator, key: int | None, pos: int) -> int:
+def sample_token(logits: torch.Tensor | int, sampling: SamplingConfig, rng: torch.Generator, key: int | None, pos: int,
+                 proc: Processing | None = None) -> int:
     """The token at position pos from the logits [V] before it (greedy: the argmax token the
-    pass gave): Gumbel-max with the noise of (key, pos), or a draw from rng (key None)."""
+    pass gave, or with processors the processed row's argmax): Gumbel-max with the noise of
+    (key, pos), or a draw from rng (key None). proc: the generation's processors, which the
+    token is committed to."""
+    row = None
+    if proc is not None:
+        logits = row = proc.row(logits)
+        if sampling.greedy:
+            logits = int(row.argmax())
     if sampling.greedy:
-        return logits
-    return gumbel_token(logits, sampling, key, pos) if key is not None else distribution(logits, sampling).draw(rng)
+        token = logits
+    else:
+        token = gumbel_token(logits, sampling, key, pos) if key is not None else distribution(logits, sampling).draw(rng)
+    if proc is not None:
+        proc.commit([token], [row])
+    return token
 
 
-def accept(step: Step, draft: Draft, logits: torch.Tensor | list[int]) -> tuple[int, int]:
+def processed(step: Step, draft: Draft, logits: torch.Tensor | list[int]):
+    """A step's verify logits [k+1, V] as acceptance reads them: through the generation's
+    processors when it has any (processors.ProcessedRows: row j sees draft[:j])."""
+    return logits if step.proc is None else step.proc.rows(logits, draft.tokens)
+
+
+def commit(step: Step, tokens: list[int], rows) -> list[TokenLogprob] | None:
+    """A step's accepted drafts and next token join the processors' state; -> their logprobs
+    when recorded."""
+    if step.proc is None:
+        return None
+    step.proc.commit(tokens, rows)
+    return step.proc.logprobs[-len(tokens):] if step.proc.top is not None else None
+
+
+def accept(step: Step, draft: Draft, logits) -> tuple[int, int]:
     """The verifier's verdict on a step's draft from its logits [k+1, V] (greedy: their argmax
-    tokens): the greedy prefix, Gumbel-max coupling (row i's noise at position step.pos + 1 + i),
-    or speculative sampling (step.key None). -> (number accepted, next token)."""
+    tokens; with processors the rows `processed` gives): the greedy prefix, Gumbel-max coupling
+    (row i's noise at position step.pos + 1 + i), or speculative sampling (step.key None).
+    -> (number accepted, next token)."""
     if step.sampling.greedy:
-        return greedy_accept(draft.tokens, logits)
+        return greedy_accept(draft.tokens, logits if step.proc is None else Argmaxes(logits))
     if step.key is not None:
         return coupled_accept(draft.tokens, GumbelPicks(logits, step.sampling, step.key, step.pos + 1))
     return speculative_accept(draft.tokens, draft.dists, Rows(logits, step.sampling), step.rng)
+
+
+def free_draft(step: Step, speculative: bool, remaining: int) -> Draft | None:
+    """A speculative step's draft when its grammar forces the next tokens (grammar.Matcher.forced):
+    those tokens, drafted for free instead of by the drafter, up to MAX_SPECULATIONS; None when it
+    forces nothing. Verified like a copy (Drafter.verify_foreign): a token the grammar allows
+    alone is accepted whatever the rule, the others as any draft."""
+    if not speculative or step.proc is None or step.proc.matcher is None:
+        return None
+    tokens, _ = step.proc.forced(min(MAX_SPECULATIONS, remaining - 1))
+    if not tokens:
+        return None
+    return Draft(tokens, [PointMass(t) for t in tokens] if not step.sampling.greedy else [], copied=True, free=True)
 
 
 def step_room(sampling: SamplingConfig, remaining: int) -> int:
@@ -216,7 +266,9 @@ def generate(
     tokenizer=None,
     eos_ids: tuple[int, ...] = (),
     on_event: Callable[[StreamEvent], None] | None = None,
+    proc: Processing | None = None,
 ) -> GenerationResult:
+    """proc: the generation's logits processors and logprobs (processors.py; None: none)."""
     clock = time.perf_counter
     t_start = clock()
     stats = GenerationStats(prompt_tokens=len(prompt_ids))
@@ -229,30 +281,50 @@ def generate(
 
     with torch.inference_mode():
         ids = torch.tensor(prompt_ids, device=runtime.device)
-        first = sample_token(drafter.prefill(ids, cache, argmax_only=sampling.greedy), sampling, rng, key, len(prompt_ids))
+        first = sample_token(drafter.prefill(ids, cache, argmax_only=sampling.greedy and proc is None), sampling, rng, key,
+                             len(prompt_ids), proc)
         K = drafter.max_draft  # after prefill: auto picks its base draft there
         stats.per_position_drafted, stats.per_position_accepted = [0] * K, [0] * K
         stats.time_prefill_s = clock() - t_start
         stats.time_to_first_token_s = stats.time_prefill_s
         tokens = list(prompt_ids) + [first]
-        out.push([first], [False])
+        out.push([first], [False], proc.logprobs[-1:] if proc is not None and proc.top is not None else None)
         while out.finish is None:
             remaining = gen.max_new_tokens - len(out.ids)
-            step = Step(tokens, len(tokens) - 1, min(K, remaining - 1), cache, sampling, rng, step_room(sampling, remaining), key)
+            step = Step(tokens, len(tokens) - 1, min(K, remaining - 1), cache, sampling, rng, step_room(sampling, remaining), key,
+                        proc)
             t0 = clock()
-            draft = drafter.draft(step)
+            free = free_draft(step, K > 0, remaining)
+            draft = free or drafter.draft(step)
             t1 = clock()
-            logits = drafter.verify(step, draft)  # [k+1, V]
-            n, nxt = accept(step, draft, logits)
-            drafter.accepted(step, draft, n)
+            rows = processed(step, draft, drafter.verify_foreign(step, draft) if free else drafter.verify(step, draft))
+            n, nxt = accept(step, draft, rows)
+            if not free:
+                drafter.accepted(step, draft, n)
+            new = draft.tokens[:n] + [nxt]
+            logprobs = commit(step, new, rows)
             t2 = clock()
             stats.time_draft_s += t1 - t0
             stats.time_verify_s += t2 - t1
-            stats.count_step(len(draft.tokens), n)
-            new = draft.tokens[:n] + [nxt]
+            count(stats, draft, n)
             tokens.extend(new)
-            out.push(new, [True] * n + [False])
+            out.push(new, [True] * n + [False], logprobs)
     stats.time_s = clock() - t_start
     stats.new_tokens = len(out.ids)
     stats.draft = drafter.describe()
-    return GenerationResult(out.final_text(), out.ids, len(prompt_ids), out.finish, stats, out.drafted)
+    return GenerationResult(out.final_text(), out.ids, len(prompt_ids), out.finish, stats, out.drafted, recorded(proc, out.ids))
+
+
+def count(stats: GenerationStats, draft: Draft, n: int) -> None:
+    """A verify step's counts: the drafter's drafts, or a grammar's free ones."""
+    if draft.free:
+        stats.count_step(0, 0)
+        stats.free_drafted += len(draft.tokens)
+        stats.free_accepted += n
+    else:
+        stats.count_step(len(draft.tokens), n)
+
+
+def recorded(proc: Processing | None, ids: list[int]) -> list[TokenLogprob] | None:
+    """The logprobs of a generation's tokens (those past a stop condition were never output)."""
+    return proc.logprobs[: len(ids)] if proc is not None and proc.top is not None else None

@@ -21,14 +21,17 @@ import torch
 from selfspec import chat_templates, kernels
 from selfspec.architectures import ModelSpec
 from selfspec.batch import BatchEngine, BatchRequest
-from selfspec.config import STRATEGIES, DraftConfig, GenerationConfig, SamplingConfig
+from selfspec.config import STRATEGIES, DraftConfig, GenerationConfig, Grammar, SamplingConfig
 from selfspec.drafters import Drafter, build
 from selfspec.drafters.factory import runs_here
 from selfspec.engine import GenerationResult, StreamEvent, generate
 from selfspec.errors import SelfSpecError, unknown_choice
+from selfspec.grammar import grammar_matcher
 from selfspec.greedy_head import screened_head
 from selfspec.loading import ALIASES, Checkpoint, check_fits, load_source, repo_id, resolve_tokenizer, runtime_bytes
+from selfspec.logprobs import TokenLogprob, prompt_logprobs
 from selfspec.predictor.costs import CostModel
+from selfspec.processors import Processing
 from selfspec.profiles import Profile, best_options, builtin_profiles, installed_profile, load_profile, remember_repo
 from selfspec.resources import DraftResources
 from selfspec.runtime import Runtime
@@ -36,6 +39,8 @@ from selfspec.search.defaults import calibrated_options
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 _DRAFT_FIELDS = {f.name for f in fields(DraftConfig)}
+PROMPT_ROWS = 64  # prompt_logprobs: logits rows made at once (a row of a 262k vocabulary is 1 MB)
+_PROCESSOR_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "grammar")
 _log = logging.getLogger("selfspec")
 
 
@@ -302,29 +307,62 @@ class SelfSpecModel:
         coupling: str = SamplingConfig.coupling,
         stop: list[str] | str | None = None,
         stop_token_ids: list[int] | None = None,
+        logprobs: int | None = None,
         chat: bool = False,
         strategy: str | None = None,
         profile: str | Profile | None = None,
         draft: DraftConfig | None = None,
         on_event=None,
-        **draft_options,
+        **options,
     ) -> GenerationResult:
-        gen, cfg = self._request_options(max_new_tokens, stop, stop_token_ids, chat, strategy, profile, draft, draft_options)
-        sampling = SamplingConfig(temperature=float(temperature), top_k=top_k, top_p=top_p, seed=seed, coupling=coupling)
+        """options: the logits processors (SamplingConfig's presence_penalty, frequency_penalty,
+        repetition_penalty, min_p, logit_bias, grammar; json_schema=dict|str for a JSON-schema
+        grammar) and the draft options (DraftConfig's fields). logprobs=N records every new
+        token's log-probability and its N most likely alternatives (result.logprobs)."""
+        gen, extra, cfg = self._request_options(max_new_tokens, stop, stop_token_ids, logprobs, chat, strategy, profile, draft,
+                                                options)
+        sampling = SamplingConfig(temperature=float(temperature), top_k=top_k, top_p=top_p, seed=seed, coupling=coupling, **extra)
         ids = self.encode(prompt, chat)
         gen = self._within_context(gen, ids)
         with self.computing():  # one generation at a time (class doc)
             drafter = self.drafter(cfg)
-            return generate(self.runtime, drafter, ids, gen, sampling, self.tokenizer, self.eos_token_ids, on_event)
+            return generate(self.runtime, drafter, ids, gen, sampling, self.tokenizer, self.eos_token_ids, on_event,
+                            self.processing(sampling, gen, ids))
 
-    def _request_options(self, max_new_tokens, stop, stop_token_ids, chat, strategy, profile, draft,
-                         draft_options) -> tuple[GenerationConfig, DraftConfig]:
-        """generate / generate_batch's options as configs (a DraftConfig, or strategy/profile/options)."""
+    def processing(self, sampling: SamplingConfig, gen: GenerationConfig, prompt_ids: list[int]) -> Processing | None:
+        """A generation's logits processors and logprobs (processors.py), None when it has neither."""
+        if not Processing.needed(sampling, gen):
+            return None
+        matcher = None if sampling.grammar is None else grammar_matcher(self, sampling.grammar)
+        return Processing(sampling, gen, prompt_ids, self.spec.vocab_size, matcher)
+
+    def prompt_logprobs(self, prompt: str | list[int], top: int = 0) -> list[TokenLogprob | None]:
+        """Every prompt token's log-probability under the model given the tokens before it (the
+        first: None) and its `top` most likely alternatives (logprobs.prompt_logprobs): one pass
+        over the prompt, its logits made PROMPT_ROWS rows at a time."""
+        ids = self.encode(prompt)
+        rt = self.runtime
+        with self.computing(), torch.inference_mode():
+            h = rt.run_layers(rt.embed(torch.tensor(ids, device=rt.device)), 0, rt.num_layers, 0, rt.new_cache(len(ids) + 1))
+            out: list[TokenLogprob | None] = [None]
+            for a in range(0, len(ids) - 1, PROMPT_ROWS):
+                b = min(a + PROMPT_ROWS, len(ids) - 1)
+                out += prompt_logprobs(rt.logits(h[a:b]), ids[a : b + 1], top)[1:]
+        return out
+
+    def _request_options(self, max_new_tokens, stop, stop_token_ids, logprobs, chat, strategy, profile, draft,
+                         options) -> tuple[GenerationConfig, dict, DraftConfig]:
+        """generate / generate_batch's options as configs: (GenerationConfig, the processors'
+        SamplingConfig fields, DraftConfig: given, or from strategy/profile/draft options)."""
         gen = GenerationConfig(max_new_tokens=max_new_tokens, stop=tuple(stop) if isinstance(stop, (list, tuple)) else (stop or ()),
-                               chat=chat, stop_token_ids=tuple(stop_token_ids or ()))
-        if draft is not None and (strategy is not None or profile is not None or draft_options):
+                               chat=chat, stop_token_ids=tuple(stop_token_ids or ()), logprobs=logprobs)
+        extra = {k: options.pop(k) for k in list(options) if k in _PROCESSOR_FIELDS}
+        if "json_schema" in options:
+            schema = options.pop("json_schema")
+            extra["grammar"] = Grammar("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+        if draft is not None and (strategy is not None or profile is not None or options):
             raise SelfSpecError("pass either draft=DraftConfig(...) or strategy/profile/draft options, not both")
-        return gen, draft if draft is not None else self.draft_config(strategy, profile, **draft_options)
+        return gen, extra, draft if draft is not None else self.draft_config(strategy, profile, **options)
 
     def _within_context(self, gen: GenerationConfig, ids: list[int]) -> GenerationConfig:
         """gen with its budget cut to what the context leaves after the prompt."""
@@ -343,6 +381,7 @@ class SelfSpecModel:
         coupling: str = SamplingConfig.coupling,
         stop: list[str] | str | None = None,
         stop_token_ids: list[int] | None = None,
+        logprobs: int | None = None,
         chat: bool = False,
         strategy: str | None = None,
         profile: str | Profile | None = None,
@@ -350,13 +389,14 @@ class SelfSpecModel:
         on_event=None,
         max_batch: int = 16,
         prefill_chunk: int | None = None,
-        **draft_options,
+        **options,
     ) -> list[GenerationResult]:
         """generate() for many prompts at once, through one continuous batch (selfspec.batch):
         the same options, applied to every prompt (`seed` may be a list, one per prompt;
         `on_event(index, event)` streams). result[i] has exactly the tokens
         generate(prompts[i], ...) would give, greedy or with the same seed."""
-        gen, cfg = self._request_options(max_new_tokens, stop, stop_token_ids, chat, strategy, profile, draft, draft_options)
+        gen, extra, cfg = self._request_options(max_new_tokens, stop, stop_token_ids, logprobs, chat, strategy, profile, draft,
+                                                options)
         seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(prompts)
         if len(seeds) != len(prompts):
             raise SelfSpecError(f"{len(seeds)} seeds for {len(prompts)} prompts")
@@ -364,7 +404,7 @@ class SelfSpecModel:
         for i, (prompt, s) in enumerate(zip(prompts, seeds)):
             ids = self.encode(prompt, chat)
             g = self._within_context(gen, ids)
-            sampling = SamplingConfig(temperature=float(temperature), top_k=top_k, top_p=top_p, seed=s, coupling=coupling)
+            sampling = SamplingConfig(temperature=float(temperature), top_k=top_k, top_p=top_p, seed=s, coupling=coupling, **extra)
             cb = None if on_event is None else (lambda e, i=i: on_event(i, e))
             requests.append(BatchRequest(ids, g, sampling, cfg, cb))
         with self.computing():  # one batch (or generation) at a time

@@ -46,7 +46,7 @@ from selfspec.cache import CachePool
 from selfspec.config import MAX_SPECULATIONS
 from selfspec.drafters import EarlyExitDrafter
 from selfspec.drafters.base import Draft
-from selfspec.engine import accept, step_room
+from selfspec.engine import accept, commit, free_draft, processed, step_room
 
 PREFILL_ROWS_PER_CORE = 32  # default prefill chunk per CPU core (see default_prefill_chunk)
 PREFILL_PATIENCE = 4  # steps a newcomer may be passed over by shorter prompts before it goes first
@@ -168,14 +168,15 @@ class BatchEngine:
                     continue
                 req = handle.request
                 cache = self._caches.take(len(req.prompt_ids) + req.gen.max_new_tokens + MAX_SPECULATIONS + 2)
-                seq = Sequence(handle, drafter, cache, self.model.tokenizer, self.model.eos_token_ids)
+                seq = Sequence(handle, drafter, cache, self.model.tokenizer, self.model.eos_token_ids,
+                               proc=self.model.processing(req.sampling, req.gen, req.prompt_ids))
                 seq.t_start = t_submit  # time to first token counts the wait in the queue
                 seq.admitted_step = self.steps
                 self._active.append(seq)
                 if seq.kind == "solo":  # its drafter prefills on its own (e.g. auto's calibration)
                     with torch.inference_mode():
                         logits = drafter.prefill(torch.tensor(req.prompt_ids, device=self.rt.device), cache,
-                                                 argmax_only=req.sampling.greedy)
+                                                 argmax_only=seq.argmax_only)
                     seq.prefilled = len(req.prompt_ids)
                     seq.pick_first(logits)
                 else:
@@ -213,12 +214,15 @@ class BatchEngine:
         t0 = clock()
         for s in batched:
             s.new_step()
-        predicted_s = self._plan(batched, prefill)
+        free = [s for s in batched if s.draft_free()]  # grammar-forced drafts: nothing to plan or draft
+        predicted_s = self._plan([s for s in batched if not s.draft.free], prefill)
+        if free:
+            predicted_s = None
         for s in batched:
             if s.kind == "free" and s.planned_k and not s.draft.tokens:  # greedy: made while planning
                 s.draft = s.actor.draft(replace(s.step, k=s.planned_k))
         td = clock()
-        draft_depth([s for s in batched if s.kind == "depth" and not s.copying])
+        draft_depth([s for s in batched if s.kind == "depth" and not s.copying and not s.draft.free])
         t1 = clock()
         if batched and self._queue and self._stall_from is None:  # arrived while this step drafted: before its verification
             self._admit()
@@ -304,7 +308,7 @@ class BatchEngine:
             return parts
         s = waiting[0]
         ids = s.req.prompt_ids[s.prefilled : s.prefilled + self.prefill_chunk]
-        return [(s, Part(s.cache, s.prefilled, ids, "none", argmax_only=s.req.sampling.greedy))]
+        return [(s, Part(s.cache, s.prefilled, ids, "none", argmax_only=s.argmax_only))]
 
     def _waiting(self) -> list[Sequence]:
         """Sequences with prompt rows left, in the order they are served (_prefill_parts)."""
@@ -319,7 +323,7 @@ class BatchEngine:
         fit = len(list(itertools.takewhile(lambda c: c <= cap, itertools.accumulate(left))))
         if fit > 1:
             fit = prompt_group(self.costs, left, cap, self.prefill_chunk)  # later passes: streams decode then
-        return [(s, Part(s.cache, s.prefilled, s.req.prompt_ids[s.prefilled:], "last", argmax_only=s.req.sampling.greedy))
+        return [(s, Part(s.cache, s.prefilled, s.req.prompt_ids[s.prefilled:], "last", argmax_only=s.argmax_only))
                 for s in waiting[:fit]]
 
     @property
@@ -396,12 +400,16 @@ class BatchEngine:
 
     def _accept(self, s: Sequence, logits: torch.Tensor) -> None:
         d, step = s.draft, s.step
-        n, nxt = accept(step, d, logits)
+        rows = processed(step, d, logits)
+        n, nxt = accept(step, d, rows)
         a = s.auto
-        if a is not None and not (s.req.sampling.greedy and self.plan_drafts):
+        if d.free:  # no drafter made it
+            pass
+        elif a is not None and not (s.req.sampling.greedy and self.plan_drafts):
             a.accepted(step, d, n)  # auto's own bookkeeping (and its base's)
         elif not s.copying:  # the self-drafter hears of its own drafts only
             s.actor.accepted(step, d, n)
+        commit(step, d.tokens[:n] + [nxt], rows)
         s.commit(n, nxt)
 
     @staticmethod
@@ -420,12 +428,14 @@ class BatchEngine:
         step.room = step_room(s.req.sampling, s.remaining)  # as generate's step (Draft.tail)
         t0 = clock()
         with torch.inference_mode():
-            d = s.drafter.draft(step)
+            d = free_draft(step, s.max_draft > 0, s.remaining) or s.drafter.draft(step)
             t1 = clock()
-            logits = s.drafter.verify(step, d)
+            rows = processed(step, d, s.drafter.verify_foreign(step, d) if d.free else s.drafter.verify(step, d))
         s.draft = d
-        n, nxt = accept(step, d, logits)
-        s.drafter.accepted(step, d, n)
+        n, nxt = accept(step, d, rows)
+        if not d.free:
+            s.drafter.accepted(step, d, n)
         s.stats.time_draft_s += t1 - t0
         s.stats.time_verify_s += clock() - t1
+        commit(step, d.tokens[:n] + [nxt], rows)
         s.commit(n, nxt)

@@ -84,7 +84,7 @@ class Part:
 def verify_part(seq) -> Part:
     """The verification rows of a decoding sequence: its pending token and its drafts."""
     ids = [seq.step.tokens[-1], *seq.draft.tokens]
-    greedy = seq.req.sampling.greedy
+    greedy = seq.step.argmax_only
     if isinstance(seq.actor, EarlyExitDrafter) and seq.exit_h:
         j = len(seq.exit_h)
         return Part(seq.cache, seq.step.pos, ids[j:], "all", torch.cat(seq.exit_h), seq.actor.exit, greedy)

@@ -30,9 +30,12 @@ from selfspec.config import DraftConfig, GenerationConfig, SamplingConfig
 from selfspec.drafters import (AutoDrafter, Drafter, EarlyExitDrafter, ExitAdapterDrafter, LayerSkipDrafter,
                                LookupFirstDrafter, PromptLookupDrafter)
 from selfspec.drafters.base import Draft, Step
-from selfspec.engine import GenerationResult, GenerationStats, StreamEvent, _Output, sample_token, step_room
+from selfspec.engine import (GenerationResult, GenerationStats, StreamEvent, _Output, count, free_draft, recorded, sample_token,
+                             step_room)
+from selfspec.logprobs import TokenLogprob
 from selfspec.lookup import until_eos
 from selfspec.coupling import noise_key
+from selfspec.processors import Processing
 from selfspec.sampling import make_rng
 
 _ids = itertools.count(1)
@@ -106,9 +109,11 @@ class Sequence:
 
     BASE_BACKOFF, MAX_BACKOFF = 4, 64  # steps at k = 0 before a 1-token probe (doubling)
 
-    def __init__(self, handle: BatchHandle, drafter: Drafter, cache, tokenizer, eos_ids, clock=time.perf_counter):
+    def __init__(self, handle: BatchHandle, drafter: Drafter, cache, tokenizer, eos_ids, clock=time.perf_counter,
+                 proc: Processing | None = None):
         req = handle.request
         self.handle, self.req, self.drafter, self.cache = handle, req, drafter, cache
+        self.proc = proc  # the request's logits processors and logprobs (processors.py), if any
         self.kind = "solo" if isinstance(drafter, AutoDrafter) and drafter.choose_base is not None else kind_of(drafter)
         self.rng = make_rng(req.sampling.seed, cache.kt.device)
         self.key = noise_key(req.sampling)
@@ -176,6 +181,11 @@ class Sequence:
         return until_eos(copy, lf.eos_ids) if hot else []
 
     @property
+    def argmax_only(self) -> bool:
+        """Its passes need the argmax tokens only (greedy, nothing processed or recorded)."""
+        return self.req.sampling.greedy and self.proc is None
+
+    @property
     def decoding(self) -> bool:
         return self.prefilled >= len(self.req.prompt_ids) and self.out.finish is None
 
@@ -197,41 +207,54 @@ class Sequence:
         if not self.stats.per_position_drafted and K:
             self.stats.per_position_drafted, self.stats.per_position_accepted = [0] * K, [0] * K
         self.step = Step(self.tokens, len(self.tokens) - 1, min(K, self.remaining - 1), self.cache, self.req.sampling, self.rng,
-                         key=self.key)
+                         key=self.key, proc=self.proc)
         self.draft, self.exit_h = Draft(), []
         self.copying = False
         return self.step
+
+    def draft_free(self) -> bool:
+        """This step drafts what its grammar forces, for free (engine.free_draft); -> whether it does."""
+        d = free_draft(self.step, self.max_draft > 0, self.remaining)
+        if d is not None:
+            self.draft, self.planned_k = d, len(d.tokens)
+        return d is not None
 
     # ---- results -------------------------------------------------------------------------------
 
     def pick_first(self, logits: torch.Tensor | int) -> None:
         """The first new token from the prompt's last logits [V] (greedy: its argmax token, as
         prefill gives it), as `generate` picks it."""
-        first = sample_token(logits, self.req.sampling, self.rng, self.key, len(self.req.prompt_ids))
+        first = sample_token(logits, self.req.sampling, self.rng, self.key, len(self.req.prompt_ids), self.proc)
         now = self.clock()
         self.stats.time_prefill_s = self.stats.time_to_first_token_s = now - self.t_start
         self.tokens.append(first)
-        self._deliver([first], [False], now)
+        self._deliver([first], [False], now, self._logprobs(1))
+
+    def _logprobs(self, n: int) -> list[TokenLogprob] | None:
+        """The logprobs of the last n tokens committed (None: not recorded)."""
+        return self.proc.logprobs[-n:] if self.proc is not None and self.proc.top is not None else None
 
     def commit(self, n: int, nxt: int) -> None:
-        """The verifier kept n drafts and added nxt."""
+        """The verifier kept n drafts and added nxt (already committed to the processors: their
+        logprobs, when recorded, are the last n + 1)."""
         d = self.draft.tokens
-        self.stats.count_step(len(d), n)
-        if d and self.copying:
+        count(self.stats, self.draft, n)
+        learn = not self.draft.free  # a grammar's forced tokens: evidence of neither drafts nor copies
+        if d and learn and self.copying:
             self.Ac = 0.9 * self.Ac + n
             self.Rc = 0.9 * self.Rc + (n < len(d))
-        elif d:
+        elif d and learn:
             self.A = 0.9 * self.A + n
             self.R = 0.9 * self.R + (n < len(d))
         new = d[:n] + [nxt]
         self.tokens.extend(new)
-        self._deliver(new, [True] * n + [False], self.clock())
+        self._deliver(new, [True] * n + [False], self.clock(), self._logprobs(len(new)))
 
-    def _deliver(self, tokens: list[int], drafted: list[bool], now: float) -> None:
+    def _deliver(self, tokens: list[int], drafted: list[bool], now: float, logprobs=None) -> None:
         if self.t_last is not None:
             self.longest_gap = max(self.longest_gap, now - self.t_last)
         self.t_last = now
-        self.out.push(tokens, drafted)
+        self.out.push(tokens, drafted, logprobs)
 
     def result(self) -> GenerationResult:
         st = self.stats
@@ -240,4 +263,5 @@ class Sequence:
         st.draft = self.drafter.describe()
         st.longest_stall_s = self.longest_gap
         finish = self.out.finish or "cancelled"
-        return GenerationResult(self.out.final_text(), self.out.ids, len(self.req.prompt_ids), finish, st, self.out.drafted)
+        return GenerationResult(self.out.final_text(), self.out.ids, len(self.req.prompt_ids), finish, st, self.out.drafted,
+                                recorded(self.proc, self.out.ids))

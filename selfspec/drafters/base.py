@@ -28,6 +28,7 @@ import torch
 
 from selfspec.cache import KVCache
 from selfspec.config import DraftConfig, SamplingConfig
+from selfspec.processors import Processing
 from selfspec.runtime import Runtime
 from selfspec.sampling import Dist
 
@@ -44,6 +45,17 @@ class Step:
     rng: torch.Generator
     room: int = 0  # greedy: the most tokens a draft may hold when those past k are copies (0: k)
     key: int | None = None  # sampling with Gumbel-max coupling: the noise's key (coupling.noise_key); None: draws from rng
+    proc: Processing | None = None  # the generation's logits processors / logprobs (processors.py), if any
+
+    @property
+    def argmax_only(self) -> bool:
+        """Verification needs the argmax tokens only (greedy, nothing processed or recorded)."""
+        return self.sampling.greedy and self.proc is None
+
+    @property
+    def drafts_processed(self) -> bool:
+        """Draft logits go through the processors too (they change the logits)."""
+        return self.proc is not None and self.proc.alters
 
 
 @dataclass
@@ -52,6 +64,7 @@ class Draft:
     dists: list[Dist] = field(default_factory=list)  # the distribution each token was drawn from; sampling only
     copied: bool = False  # copied from the context (prompt lookup): free, and no evidence of how a self-draft agrees
     tail: int = 0  # the last `tail` tokens are such copies, past what the self-draft drafted (greedy)
+    free: bool = False  # tokens a grammar forced (engine.free_draft): no drafter made them, none hears of them
 
 
 class Drafter:
@@ -80,7 +93,7 @@ class Drafter:
 
     def verify(self, step: Step, draft: Draft) -> torch.Tensor:
         ids = torch.tensor([step.tokens[-1], *draft.tokens], device=self.rt.device)
-        return self.rt.forward(ids, step.pos, step.cache, argmax_only=step.sampling.greedy)
+        return self.rt.forward(ids, step.pos, step.cache, argmax_only=step.argmax_only)
 
     def verify_foreign(self, step: Step, draft: Draft) -> torch.Tensor:
         return Drafter.verify(self, step, draft)

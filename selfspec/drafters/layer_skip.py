@@ -39,7 +39,7 @@ class LayerSkipDrafter(TokenDrafter):
         guess's keys and values; the next pass (or verification) overwrites them: the cache is
         indexed by position."""
         rt, d = self.draft_rt, Draft()
-        one_call = step.sampling.greedy and self.threshold is None  # argmaxes only: Runtime.step_token
+        one_call = step.sampling.greedy and self.threshold is None and not step.drafts_processed  # argmaxes only: Runtime.step_token
         while len(d.tokens) < step.k:
             j = len(d.tokens)
             g = guess(d.tokens)[: step.k - j - 1] if guess is not None else []

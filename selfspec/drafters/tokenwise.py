@@ -73,6 +73,8 @@ class TokenDrafter(Drafter):
     def _choose(self, logits: torch.Tensor, step: Step, draft: Draft) -> bool:
         """Pick the next draft token from draft logits [N]; append it to `draft` unless its
         confidence is below the threshold. -> whether to keep drafting."""
+        if step.drafts_processed:  # the processors at this draft's position (the drafts before it count)
+            logits = step.proc.row(logits, draft.tokens, self.sub)
         if step.sampling.greedy:
             idx = int(logits.argmax())
             if self.threshold is not None and float(logits.softmax(-1)[idx]) < self.threshold.gamma:

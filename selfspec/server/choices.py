@@ -2,7 +2,8 @@
 of the continuous batch, their events merged into one queue on the event loop.
 
 Events of a Choices object, in order: ("start",) when its first choice gets a batch slot,
-("tok", i, text) per committed text delta of choice i (streamed requests), then one of
+("tok", i, text, logprob) per committed token of choice i (streamed requests; the text delta
+may be empty, logprob None without logprobs), then one of
 ("done", results) once every choice has finished (results[i]: choice i's GenerationResult),
 or the first ("error", exc) / ("cancelled",) / ("skipped",) of any choice (the others are
 cancelled then). It quacks like a Job where the routes, the streams and the metrics read one.
@@ -64,9 +65,9 @@ class Choices:
             if not self._started:
                 self._started = True
                 self.events.put_nowait(item)
-        elif kind == "tok":
+        elif kind == "tok":  # ("tok", text, logprob)
             for idx in (range(self.n) if len(self.jobs) == 1 else (i,)):
-                self.events.put_nowait(("tok", idx, item[1]))
+                self.events.put_nowait(("tok", idx, *item[1:]))
         elif kind == "done":
             self._results[i] = item[1]
             if all(r is not None for r in self._results):
@@ -93,6 +94,10 @@ class Choices:
     def t_start(self) -> float | None:
         starts = [j.t_start for j in self.jobs if j.t_start is not None]
         return min(starts) if starts else None
+
+    @property
+    def prompt_logprobs(self) -> list | None:
+        return self.jobs[0].prompt_logprobs
 
     @property
     def t_first(self) -> float | None:

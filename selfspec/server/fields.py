@@ -3,14 +3,16 @@ each returns the field's value for the engine or raises a 400 in OpenAI's shape 
 
 from __future__ import annotations
 
+import json
 import math
 
-from selfspec.config import COUPLINGS, SamplingConfig
+from selfspec.config import COUPLINGS, MAX_LOGPROBS, Grammar, LogitBias, SamplingConfig
 from selfspec.errors import SelfSpecError
 from selfspec.server.errors import bad
 
 MAX_N = 16  # the most choices one request may ask for (each is a sequence of the batch)
 MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300  # OpenAI's bound on logit_bias entries
 
 
 def is_int(v) -> bool:
@@ -103,3 +105,108 @@ def parse_coupling(ext, default: str):
         raise bad(f"'selfspec.coupling' must be one of {', '.join(COUPLINGS)}, got {c!r}.", param="selfspec.coupling",
                   code="invalid_value")
     return c, {k: v for k, v in ext.items() if k != "coupling"}
+
+
+def parse_logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives per token to return (0: the chosen token's log-probability only), or
+    None: no logprobs. Chat: logprobs (bool) + top_logprobs (0..20); completions: logprobs (0..20)."""
+    lp = body.get("logprobs")
+    if chat:
+        if lp is not None and not isinstance(lp, bool):
+            raise bad("'logprobs' must be a boolean.", param="logprobs", code="invalid_type")
+        top = body.get("top_logprobs")
+        if top is not None:
+            if not is_int(top):
+                raise bad("'top_logprobs' must be an integer.", param="top_logprobs", code="invalid_type")
+            if not 0 <= top <= MAX_LOGPROBS:
+                raise bad(f"'top_logprobs' must be in 0..{MAX_LOGPROBS}, got {top}.", param="top_logprobs", code="invalid_value")
+            if not lp:
+                raise bad("'top_logprobs' needs 'logprobs': true.", param="top_logprobs", code="invalid_value")
+        return (top or 0) if lp else None
+    if lp is None or lp is False:
+        return None
+    if not is_int(lp):
+        raise bad("'logprobs' must be an integer (the number of alternatives per token).", param="logprobs", code="invalid_type")
+    if not 0 <= lp <= MAX_LOGPROBS:
+        raise bad(f"'logprobs' must be in 0..{MAX_LOGPROBS}, got {lp}.", param="logprobs", code="invalid_value")
+    return lp
+
+
+def parse_echo(body: dict, chat: bool) -> bool:
+    echo = body.get("echo")
+    if echo is None:
+        return False
+    if not isinstance(echo, bool):
+        raise bad("'echo' must be a boolean.", param="echo", code="invalid_type")
+    return echo and not chat
+
+
+_PENALTIES = {"presence_penalty": (-2.0, 2.0, 0.0), "frequency_penalty": (-2.0, 2.0, 0.0),
+              "repetition_penalty": (0.0, 10.0, 1.0), "min_p": (0.0, 1.0, 0.0)}  # (low, high, off)
+
+
+def parse_processors(body: dict, vocab_size: int) -> dict:
+    """The logits processors' SamplingConfig fields (processors.py): penalties, min_p, logit_bias."""
+    out = {}
+    for name, (low, high, off) in _PENALTIES.items():
+        v = body.get(name)
+        if v is None:
+            continue
+        if not is_num(v):
+            raise bad(f"'{name}' must be a number.", param=name, code="invalid_type")
+        ok = (low < v <= high) if name == "repetition_penalty" else (low <= v < high if name == "min_p" else low <= v <= high)
+        if not ok:
+            span = "(0, 10]" if name == "repetition_penalty" else ("[0, 1)" if name == "min_p" else f"[{low:g}, {high:g}]")
+            raise bad(f"'{name}' must be in {span}, got {v}.", param=name, code="invalid_value")
+        if v != off:
+            out[name] = float(v)
+    bias = body.get("logit_bias")
+    if bias:
+        if not isinstance(bias, dict):
+            raise bad("'logit_bias' must be an object mapping token ids to biases.", param="logit_bias", code="invalid_type")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise bad(f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} tokens.", param="logit_bias", code="invalid_value")
+        items = {}
+        for k, v in bias.items():
+            if not (isinstance(k, str) and k.strip().lstrip("-").isdigit()) or not is_num(v):
+                raise bad(f"'logit_bias' maps token ids to numbers; got {k!r}: {v!r}.", param="logit_bias", code="invalid_type")
+            t = int(k)
+            if not 0 <= t < vocab_size:
+                raise bad(f"'logit_bias' names token {t}, outside the vocabulary (size {vocab_size}).", param="logit_bias",
+                          code="invalid_value")
+            if not -100 <= v <= 100:
+                raise bad(f"'logit_bias' values must be in [-100, 100], got {v} for token {t}.", param="logit_bias",
+                          code="invalid_value")
+            items[t] = float(v)
+        out["logit_bias"] = LogitBias(tuple(sorted(items.items())))
+    return out
+
+
+def parse_response_format(rf) -> Grammar | None:
+    """OpenAI's response_format (text, json_object, json_schema) and this server's extension
+    types {"type": "regex", "regex": ...} and {"type": "grammar", "grammar": <Lark>} -> the
+    grammar the text must match (compiled and checked with the model's tokenizer later:
+    parsing.encode)."""
+    if rf is None:
+        return None
+    if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+        raise bad("'response_format' must be an object with a 'type'.", param="response_format", code="invalid_type")
+    kind = rf["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Grammar("json_object")
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad("'response_format.json_schema.schema' must be a JSON schema object.", param="response_format",
+                      code="invalid_type")
+        return Grammar("json_schema", json.dumps(schema))
+    if kind in ("regex", "grammar"):
+        src = rf.get(kind)
+        if not isinstance(src, str) or not src.strip():
+            raise bad(f"'response_format.{kind}' must be a non-empty string.", param="response_format", code="invalid_type")
+        return Grammar("regex" if kind == "regex" else "lark", src)
+    raise bad(f"'response_format.type' must be one of text, json_object, json_schema, regex, grammar; got {kind!r}.",
+              param="response_format", code="invalid_value")

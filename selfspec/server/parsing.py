@@ -26,36 +26,30 @@ from dataclasses import dataclass, field, replace
 from selfspec.config import STRATEGIES, ConfigError, ConfigTypeError, DraftConfig, SamplingConfig, typed
 from selfspec.errors import SelfSpecError
 from selfspec.server.errors import APIError, bad
-from selfspec.server.fields import (is_int, parse_coupling, parse_n, parse_sampling, parse_stop,
-                                    parse_stop_token_ids)
+from selfspec.grammar import grammar_matcher
+from selfspec.server.fields import (is_int, parse_coupling, parse_echo, parse_logprobs, parse_n, parse_processors,
+                                    parse_response_format, parse_sampling, parse_stop, parse_stop_token_ids)
 from selfspec.server.settings import MAX_REQUEST_NGRAM, REQUEST_DRAFT_OPTIONS, PromptLimits, ServerSettings
 
 _COMMON_FIELDS = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                  "stop_token_ids", "n", "stream", "stream_options", "user", "selfspec", "metadata", "store", "service_tier"}
-_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
-_CHAT_FIELDS = _COMMON_FIELDS | {"messages"}
+                  "stop_token_ids", "n", "stream", "stream_options", "user", "selfspec", "metadata", "store", "service_tier",
+                  "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias",
+                  "response_format"}
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
+_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "top_logprobs"}
 # Accepted only at their "off" value (or null): anything else is a clear 400.
 _OFF_VALUES = {
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "repetition_penalty": (1,),
-    "logit_bias": ({},),
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
     "best_of": (1,),
-    "echo": (False,),
     "suffix": ("",),
     "tools": ([],),
     "tool_choice": ("none", "auto"),
     "functions": ([],),
     "function_call": ("none", "auto"),
     "parallel_tool_calls": (True, False),
-    "response_format": ({"type": "text"},),
     "modalities": (["text"],),
 }
-_COMPLETION_OFF = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "best_of", "echo", "suffix")
-_CHAT_OFF = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "top_logprobs", "tools",
-             "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format", "modalities")
+_COMPLETION_OFF = ("best_of", "suffix")
+_CHAT_OFF = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "modalities")
 _ROLES = ("system", "developer", "user", "assistant")
 
 
@@ -103,6 +97,8 @@ class Request:
     draft: DraftConfig
     n: int = 1
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # alternatives per token (0: the token's own only); None: no logprobs
+    echo: bool = False  # completions: the prompt's text (and logprobs) before the completion
     ids: list[int] | None = None  # a prompt given as token ids
     text: str | None = None  # a text prompt (completions)
     messages: list[dict] | None = None  # a conversation (chat), roles normalised
@@ -122,6 +118,9 @@ class Params:
     model: str
     n: int = 1  # choices
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
+    echo: bool = False
+    echo_text: str = ""  # echo: the prompt's text, returned before the completion
 
 
 def _is_off(name: str, v) -> bool:
@@ -146,13 +145,15 @@ def parse_request(body: dict, chat: bool, ctx: ParseContext) -> Request:
     model = _parse_model(body.get("model"), ctx)
     n = parse_n(body.get("n"))
     stream, include_usage = _parse_stream(body)
-    max_tokens = _parse_max_tokens(body, chat, ctx.settings)
+    echo = parse_echo(body, chat)
+    max_tokens = _parse_max_tokens(body, chat, ctx.settings, echo)
     coupling, ext = parse_coupling(body.get("selfspec"), ctx.settings.coupling)
-    sampling = replace(parse_sampling(body), coupling=coupling)
+    sampling = replace(parse_sampling(body), coupling=coupling, **parse_processors(body, ctx.vocab_size),
+                       grammar=parse_response_format(body.get("response_format")))
     stop = parse_stop(body.get("stop"), ctx.settings.max_stop)
     draft = parse_draft(ext, ctx)
     common = dict(chat=chat, model=model, max_tokens=max_tokens, sampling=sampling, stop=stop, stream=stream,
-                  include_usage=include_usage, draft=draft, n=n,
+                  include_usage=include_usage, draft=draft, n=n, logprobs=parse_logprobs(body, chat), echo=echo,
                   stop_token_ids=parse_stop_token_ids(body.get("stop_token_ids"), ctx.vocab_size))
     if chat:
         return Request(**common, messages=parse_messages(body.get("messages"), ctx.limits))
@@ -202,7 +203,8 @@ def _parse_stream(body: dict) -> tuple[bool, bool]:
     return stream, iu
 
 
-def _parse_max_tokens(body: dict, chat: bool, settings: ServerSettings) -> int:
+def _parse_max_tokens(body: dict, chat: bool, settings: ServerSettings, echo: bool = False) -> int:
+    """The budget; 0 only with echo (the prompt alone, e.g. to score it)."""
     max_tokens, pname = body.get("max_tokens"), "max_tokens"
     if body.get("max_completion_tokens") is not None:
         max_tokens, pname = body["max_completion_tokens"], "max_completion_tokens"
@@ -210,7 +212,7 @@ def _parse_max_tokens(body: dict, chat: bool, settings: ServerSettings) -> int:
         return settings.default_max_tokens
     if not is_int(max_tokens):
         raise bad(f"'{pname}' must be an integer.", param=pname, code="invalid_type")
-    if max_tokens < 1:
+    if max_tokens < 1 and not (echo and max_tokens == 0):
         raise bad(f"'{pname}' must be at least 1, got {max_tokens}.", param=pname, code="invalid_value")
     if max_tokens > settings.max_new_tokens_limit:
         raise bad(f"'{pname}' is {max_tokens}; this server allows at most {settings.max_new_tokens_limit}.",
@@ -361,8 +363,19 @@ def encode(req: Request, model, ctx: ParseContext) -> Params:
     else:
         ids, param = _chat_ids(req.messages, model), "messages"
     check_ids(ids, ctx.limits, ctx.vocab_size, param)
+    if req.sampling.grammar is not None:
+        try:
+            grammar_matcher(model, req.sampling.grammar)  # compiled (and cached) here, off the event loop
+        except SelfSpecError as e:
+            raise bad(f"Invalid 'response_format': {e}.", param="response_format", code="invalid_value") from None
     return Params(ids, req.max_tokens, req.sampling, req.stop, req.stream, req.include_usage, req.draft, req.model, req.n,
-                  req.stop_token_ids)
+                  req.stop_token_ids, req.logprobs, req.echo, _echo_text(req, ids, model) if req.echo else "")
+
+
+def _echo_text(req: Request, ids: list[int], model) -> str:
+    if req.text is not None:
+        return req.text
+    return model.tokenizer.decode(ids) if model.tokenizer is not None else ""
 
 
 def _tokenize(text: str, model) -> list[int]:

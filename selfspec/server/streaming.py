@@ -11,6 +11,7 @@ import uuid
 from fastapi.responses import StreamingResponse
 
 from selfspec.server.errors import APIError
+from selfspec.server.logprob_format import CompletionLogprobs, chat_logprobs, merged, shown
 from selfspec.server.metrics import CLIENT_GONE
 
 log = logging.getLogger("selfspec.server")
@@ -89,15 +90,29 @@ def stats(srv, job, results) -> dict:
     return d
 
 
+def _choice_logprobs(srv, job, result, chat: bool):
+    """A finished choice's logprobs object (None without logprobs)."""
+    p = job.params
+    if p.logprobs is None:
+        return None
+    entries = shown(result, p, srv.model.eos_token_ids)
+    if chat:
+        return chat_logprobs(entries, srv.model.tokenizer)
+    lp = CompletionLogprobs(srv.model.tokenizer, p.logprobs)
+    if p.echo:
+        return merged(lp.piece(job.prompt_logprobs, p.prompt_ids), lp.piece(entries))
+    return lp.piece(entries)
+
+
 def plain_body(srv, job, results, chat: bool) -> tuple[dict, str]:
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     choices = []
     for i, result in enumerate(results):
-        choice = {"index": i, "logprobs": None, "finish_reason": finish_reason(result)}
+        choice = {"index": i, "logprobs": _choice_logprobs(srv, job, result, chat), "finish_reason": finish_reason(result)}
         if chat:
             choice["message"] = {"role": "assistant", "content": result.text}
         else:
-            choice["text"] = result.text
+            choice["text"] = job.params.echo_text + result.text
         choices.append(choice)
     body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": job.params.model, "system_fingerprint": srv.fingerprint_of(job.params.sampling.coupling), "choices": choices,
@@ -115,8 +130,16 @@ class _Chunks:
         self.base = {"id": self.rid, "object": "chat.completion.chunk" if chat else "text_completion",
                      "created": int(time.time()), "model": job.params.model,
                      "system_fingerprint": srv.fingerprint_of(job.params.sampling.coupling)}
+        p = job.params
+        self.logprobs = None if p.logprobs is None or chat else [CompletionLogprobs(srv.model.tokenizer, p.logprobs)
+                                                                 for _ in range(p.n)]
+        self.tok = srv.model.tokenizer
 
-    def chunk(self, index: int, delta_text: str | None, finish: str | None = None, role: bool = False) -> str:
+    def chunk(self, index: int, delta_text: str | None, finish: str | None = None, role: bool = False,
+              entries: list | None = None, ids: list[int] | None = None) -> str:
+        lp = None
+        if entries is not None:
+            lp = chat_logprobs(entries, self.tok) if self.chat else self.logprobs[index].piece(entries, ids)
         if self.chat:
             delta = {}
             if role:
@@ -124,36 +147,43 @@ class _Chunks:
                 delta["content"] = ""
             elif delta_text is not None:
                 delta["content"] = delta_text
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
-            choice = {"index": index, "text": delta_text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": delta_text or "", "logprobs": lp, "finish_reason": finish}
         c = {**self.base, "choices": [choice]}
         if self.include_usage:
             c["usage"] = None
         return sse(c)
 
 
+def _coalesce(job, item) -> tuple[dict, object]:
+    """The ("tok", i, text, logprob) events waiting from item on -> ({i: (text, [logprobs])}, the next other event or None)."""
+    out: dict[int, tuple[str, list]] = {}
+    while item is not None and item[0] == "tok":
+        _, i, text, lp = item
+        t, lps = out.get(i, ("", []))
+        out[i] = (t + text, lps + ([lp] if lp is not None else []))
+        item = job.events.get_nowait() if not job.events.empty() else None
+    return out, item
+
+
 async def _events(srv, job, first, ch: _Chunks, state: dict):
     # The engine's deltas are already safe to send: it holds back text that could still
     # become a stop string or an incomplete character (engine._Output).
-    n = job.n
+    n, p = job.n, job.params
     sent, item = [""] * n, first
     if ch.chat:
         for i in range(n):
             yield ch.chunk(i, None, role=True)
+    elif p.echo:
+        for i in range(n):
+            yield ch.chunk(i, p.echo_text, entries=job.prompt_logprobs if p.logprobs is not None else None, ids=p.prompt_ids)
     while item[0] == "tok":
-        out = {item[1]: item[2]}
-        item = None
-        while not job.events.empty():  # coalesce what the engine committed meanwhile
-            nxt = job.events.get_nowait()
-            if nxt[0] != "tok":
-                item = nxt
-                break
-            out[nxt[1]] = out.get(nxt[1], "") + nxt[2]
-        for i, text in sorted(out.items()):
-            if text:
+        out, item = _coalesce(job, item)
+        for i, (text, lps) in sorted(out.items()):
+            if text or lps:
                 sent[i] += text
-                yield ch.chunk(i, text)
+                yield ch.chunk(i, text, entries=lps if p.logprobs is not None else None)
         if item is None:
             item = await job.events.get()
     if item[0] == "done":

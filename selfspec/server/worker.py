@@ -11,8 +11,8 @@ The interface the routes use:
     worker.batch_size     sequences in the engine's batch now
     worker.shutdown()
 
-Events a job receives, in order: ("start",) when it gets a batch slot, ("tok", text) per
-committed text delta (streamed requests), then one of ("done", result), ("error", exc),
+Events a job receives, in order: ("start",) when it gets a batch slot, ("tok", text, logprob)
+per committed token with a text delta or a logprob (streamed requests), then one of ("done", result), ("error", exc),
 ("cancelled",) or ("skipped",) (cancelled before it started).
 
 One engine thread owns a `selfspec.batch.BatchEngine` (batch.engine documents a step). Jobs
@@ -42,6 +42,7 @@ from collections import deque
 
 from selfspec.batch import BatchEngine, BatchHandle, BatchRequest
 from selfspec.config import GenerationConfig
+from selfspec.engine import GenerationResult, GenerationStats
 from selfspec.server.errors import APIError
 from selfspec.server.parsing import Params
 from selfspec.server.settings import ServerSettings, default_max_batch
@@ -67,6 +68,7 @@ class Job:
         self.t_first: float | None = None
         self.t_last: float | None = None
         self.n_tokens = 0
+        self.prompt_logprobs: list | None = None  # echo with logprobs: the prompt's (logprobs.prompt_logprobs)
 
     def post(self, *item) -> None:
         try:
@@ -210,6 +212,19 @@ class Worker:
         job.t_start = time.perf_counter()
         self.metrics.queue_time.observe(job.t_start - job.t_arrival)
         job.post("start")
+        p = job.params
+        if p.echo and p.logprobs is not None:  # the prompt's own logprobs: one pass over it, here on the engine thread
+            try:
+                with self.model.computing():
+                    job.prompt_logprobs = self.model.prompt_logprobs(p.prompt_ids, p.logprobs)
+            except Exception as e:
+                job.finished = True
+                job.post("error", e)
+                return
+        if p.max_tokens == 0:  # echo alone: nothing to generate
+            job.finished = True
+            job.post("done", GenerationResult("", [], len(p.prompt_ids), "length", GenerationStats(prompt_tokens=len(p.prompt_ids)), [], []))
+            return
         try:
             handle = self.engine.submit(self.request(job))
         except Exception as e:  # its drafter could not be built: this request alone fails
@@ -226,7 +241,7 @@ class Worker:
         """The job as a BatchRequest: the budget, stop strings, sampling and draft of `generate`."""
         p: Params = job.params
         gen = GenerationConfig(max_new_tokens=min(p.max_tokens, self.model.context_length - len(p.prompt_ids)), stop=p.stop,
-                               stop_token_ids=p.stop_token_ids)
+                               stop_token_ids=p.stop_token_ids, logprobs=p.logprobs)
         return BatchRequest(list(p.prompt_ids), gen, p.sampling, p.draft, lambda ev: self._on_event(job, ev))
 
     def _step(self) -> None:
@@ -268,8 +283,8 @@ class Worker:
             job.t_first = now
         job.t_last = now
         job.n_tokens += 1
-        if job.stream and ev.text:
-            job.post("tok", ev.text)
+        if job.stream and (ev.text or ev.logprob is not None):
+            job.post("tok", ev.text, ev.logprob)
 
     def _collect(self) -> None:
         """Finished and cancelled jobs leave their slots; their clients get the outcome."""

@@ -1,0 +1,178 @@
+"""Logits processors: what a generation's options do to the logits of every position before the
+sampling transform (sampling.py), for the target and the drafts alike.
+
+In order, on the logits z of one position (fp32, a fresh row: changed in place):
+  1. logit_bias (OpenAI): z_t += bias_t.
+  2. repetition_penalty r (transformers' RepetitionPenaltyLogitsProcessor): for every token t
+     of the prompt or the text so far, z_t / r if z_t > 0 else z_t * r.
+  3. presence / frequency penalties (OpenAI): z_t -= presence * [c_t > 0] + frequency * c_t,
+     c_t = how often t was generated so far (the prompt does not count).
+  4. grammar (grammar.py): z_t = -inf for every token the grammar does not allow next.
+  5. min_p (sampling only; after temperature, before top-k / top-p, as vLLM): with x = z / T,
+     z_t = -inf where x_t < max(x) + ln(min_p), i.e. p_t < min_p * p_max.
+"So far" at a verify row j is the committed context plus drafts 0..j-1; at a draft token, the
+context plus the drafts before it: each position sees exactly what it would see in
+autoregressive decoding, so greedy speculative output is autoregressive output and sampling
+keeps its distribution (the processed distribution is the target).
+
+A `Processing` holds one generation's state over its committed tokens (counts, the grammar
+matcher); drafts are seen through `row(logits, drafted)` and verification through
+`rows(logits, draft)`, and neither changes the committed state: `commit(tokens, rows)` does,
+after acceptance (rejected drafts leave no trace: the matcher rolls back over them). With
+`GenerationConfig.logprobs` it also records the log-probability of every committed token
+(logprobs.py) from the rows it was chosen from: the verify pass's, no pass of its own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+
+import torch
+
+from selfspec.config import GenerationConfig, SamplingConfig
+from selfspec.logprobs import TokenLogprob, token_logprob
+from selfspec.sampling import SubVocab
+
+
+class Processing:
+    """One generation's processors and their state (module doc). `matcher`: the grammar's
+    (grammar.Matcher), or None."""
+
+    def __init__(self, sampling: SamplingConfig, gen: GenerationConfig, prompt_ids: Sequence[int], vocab_size: int,
+                 matcher=None):
+        self.sampling, self.top = sampling, gen.logprobs
+        self.vocab_size = vocab_size
+        self.alters = sampling.processed or matcher is not None  # drafts must see processed logits too
+        self.matcher = matcher
+        self.logprobs: list[TokenLogprob] = []
+        bias = sampling.logit_bias.items if sampling.logit_bias is not None else ()
+        self._bias_ids = torch.tensor([t for t, _ in bias if t < vocab_size], dtype=torch.long)
+        self._bias = torch.tensor([b for t, b in bias if t < vocab_size], dtype=torch.float32)
+        self._counts: Counter[int] = Counter()  # generated tokens
+        self._seen: set[int] = set(prompt_ids) if sampling.repetition_penalty != 1.0 else set()
+        self._committed()
+
+    @classmethod
+    def needed(cls, sampling: SamplingConfig, gen: GenerationConfig) -> bool:
+        """Whether a generation with these options needs a Processing (processors, or logprobs)."""
+        return sampling.processed or gen.logprobs is not None
+
+    # ---- the committed state -------------------------------------------------------------
+
+    def _committed(self) -> None:
+        """Tensors of the committed counts (rebuilt per commit: a step's rows share them)."""
+        ids = sorted(self._counts)
+        self._gen_ids = torch.tensor(ids, dtype=torch.long)
+        self._gen_counts = torch.tensor([self._counts[t] for t in ids], dtype=torch.float32)
+        self._seen_ids = torch.tensor(sorted(self._seen), dtype=torch.long)
+
+    def commit(self, tokens: Sequence[int], rows: Sequence[torch.Tensor] | None = None) -> None:
+        """tokens joined the context (the first from the prompt's row, or a step's accepted drafts
+        and the verifier's token); rows[i]: the processed logits token i was chosen from (logprobs)."""
+        if self.top is not None and rows is not None:
+            for i, t in enumerate(tokens):
+                self.logprobs.append(token_logprob(rows[i], t, self.sampling, self.top))
+        if self.matcher is not None:
+            self.matcher.commit(tokens)
+        if self.sampling.presence_penalty or self.sampling.frequency_penalty:
+            self._counts.update(tokens)
+        if self.sampling.repetition_penalty != 1.0:
+            self._seen.update(tokens)
+        self._committed()
+
+    # ---- processed rows ------------------------------------------------------------------
+
+    def row(self, logits: torch.Tensor, drafted: Sequence[int] = (), sub: SubVocab | None = None) -> torch.Tensor:
+        """The processed logits [N] of the position after the committed context and `drafted`
+        (fp32, a new tensor; entry j is token j, or sub.ids[j] for a restricted draft head)."""
+        z = logits.detach().float().clone()
+        if not self.alters:
+            return z
+        s = self.sampling
+        if len(self._bias_ids):
+            self._add(z, self._bias_ids, self._bias, sub)
+        if s.repetition_penalty != 1.0:
+            ids = self._seen_ids if not drafted else torch.tensor(sorted(self._seen | set(drafted)), dtype=torch.long)
+            self._repeat(z, ids, sub)
+        if s.presence_penalty or s.frequency_penalty:
+            ids, counts = self._gen_ids, self._gen_counts
+            if drafted:
+                c = self._counts + Counter(drafted)
+                ids = torch.tensor(sorted(c), dtype=torch.long)
+                counts = torch.tensor([c[t] for t in ids.tolist()], dtype=torch.float32)
+            if len(ids):
+                self._add(z, ids, -(s.frequency_penalty * counts + s.presence_penalty), sub)
+        if self.matcher is not None:
+            allowed = self.matcher.allowed(drafted)  # bool [vocab]
+            z.masked_fill_(~(allowed if sub is None else allowed[sub.ids]), float("-inf"))
+        if s.min_p and not s.greedy:
+            x = z / s.temperature
+            z.masked_fill_(x < x.max() + math.log(s.min_p), float("-inf"))
+        return z
+
+    def _entries(self, ids: torch.Tensor, sub: SubVocab | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(entries of the row, which of ids they are) for token ids."""
+        if sub is None:
+            keep = ids < self.vocab_size
+            return ids[keep], keep
+        j = sub.index[ids.clamp(max=len(sub.index) - 1)]
+        keep = (j >= 0) & (ids < len(sub.index))
+        return j[keep], keep
+
+    def _add(self, z: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, sub: SubVocab | None) -> None:
+        j, keep = self._entries(ids, sub)
+        z.index_add_(0, j, values[keep])
+
+    def _repeat(self, z: torch.Tensor, ids: torch.Tensor, sub: SubVocab | None) -> None:
+        j, _ = self._entries(ids, sub)
+        r = self.sampling.repetition_penalty
+        v = z[j]
+        z[j] = torch.where(v > 0, v / r, v * r)
+
+    def rows(self, logits: torch.Tensor, draft: Sequence[int]) -> ProcessedRows:
+        """The verify rows [k+1, V] of a step that drafted `draft`, processed lazily (row j after
+        draft[:j])."""
+        return ProcessedRows(self, logits, list(draft))
+
+    def forced(self, most: int) -> tuple[list[int], int]:
+        """(tokens the grammar forces next, how many of them certainly) as free drafts
+        (grammar.Matcher.forced); nothing without a grammar."""
+        return self.matcher.forced(most) if self.matcher is not None and most > 0 else ([], 0)
+
+
+class ProcessedRows(Sequence):
+    """Row j: Processing.row(logits[j], draft[:j]), made on first use (acceptance stops at the
+    first rejection; rows are asked for in order). Quacks like the logits tensor where
+    sampling.Rows and GumbelPicks read one (`shape`, `[j]`)."""
+
+    def __init__(self, proc: Processing, logits: torch.Tensor, draft: list[int]):
+        self.proc, self.logits, self.draft = proc, logits, draft
+        self.shape = logits.shape
+        self._rows: dict[int, torch.Tensor] = {}
+
+    def __len__(self):
+        return self.shape[0]
+
+    def __getitem__(self, j):
+        if j not in self._rows:
+            self._rows[j] = self.proc.row(self.logits[j], self.draft[:j])
+        return self._rows[j]
+
+
+class Argmaxes(Sequence):
+    """Greedy targets of processed rows: token j = argmax of rows[j] (first index on ties, as
+    Runtime.argmax), made on first use."""
+
+    def __init__(self, rows: Sequence[torch.Tensor]):
+        self.rows = rows
+        self._tokens: dict[int, int] = {}
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, j):
+        if j not in self._tokens:
+            self._tokens[j] = int(self.rows[j].argmax())
+        return self._tokens[j]
