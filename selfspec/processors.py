@@ -62,11 +62,14 @@ class Processing:
     # ---- the committed state -------------------------------------------------------------
 
     def _committed(self) -> None:
-        """Tensors of the committed counts (rebuilt per commit: a step's rows share them)."""
-        ids = sorted(self._counts)
+        """Tensors of the committed state (rebuilt per commit: a step's rows share them): the
+        penalised tokens and what the penalties subtract from them."""
+        s = self.sampling
+        ids = sorted(t for t in self._counts if t < self.vocab_size)
         self._gen_ids = torch.tensor(ids, dtype=torch.long)
-        self._gen_counts = torch.tensor([self._counts[t] for t in ids], dtype=torch.float32)
-        self._seen_ids = torch.tensor(sorted(self._seen), dtype=torch.long)
+        self._gen_minus = torch.tensor([s.presence_penalty + s.frequency_penalty * self._counts[t] for t in ids],
+                                       dtype=torch.float32)
+        self._seen_ids = torch.tensor(sorted(t for t in self._seen if t < self.vocab_size), dtype=torch.long)
 
     def commit(self, tokens: Sequence[int], rows: Sequence[torch.Tensor] | None = None) -> None:
         """tokens joined the context (the first from the prompt's row, or a step's accepted drafts
@@ -86,24 +89,28 @@ class Processing:
 
     def row(self, logits: torch.Tensor, drafted: Sequence[int] = (), sub: SubVocab | None = None) -> torch.Tensor:
         """The processed logits [N] of the position after the committed context and `drafted`
-        (fp32, a new tensor; entry j is token j, or sub.ids[j] for a restricted draft head)."""
+        (fp32, a new tensor; entry j is token j, or sub.ids[j] for a restricted draft head).
+        The committed state's tensors apply as they are; the drafts add a few entries."""
         z = logits.detach().float().clone()
         if not self.alters:
             return z
         s = self.sampling
+        drafted = [t for t in drafted if t < self.vocab_size]
         if len(self._bias_ids):
             self._add(z, self._bias_ids, self._bias, sub)
         if s.repetition_penalty != 1.0:
-            ids = self._seen_ids if not drafted else torch.tensor(sorted(self._seen | set(drafted)), dtype=torch.long)
-            self._repeat(z, ids, sub)
+            self._repeat(z, self._seen_ids, sub)
+            new = sorted(set(drafted) - self._seen)
+            if new:
+                self._repeat(z, torch.tensor(new, dtype=torch.long), sub)
         if s.presence_penalty or s.frequency_penalty:
-            ids, counts = self._gen_ids, self._gen_counts
-            if drafted:
-                c = self._counts + Counter(drafted)
-                ids = torch.tensor(sorted(c), dtype=torch.long)
-                counts = torch.tensor([c[t] for t in ids.tolist()], dtype=torch.float32)
-            if len(ids):
-                self._add(z, ids, -(s.frequency_penalty * counts + s.presence_penalty), sub)
+            if len(self._gen_ids):
+                self._add(z, self._gen_ids, -self._gen_minus, sub)
+            if drafted:  # what the drafts add: frequency per occurrence, presence once for a token new to the text
+                c = Counter(drafted)
+                ids = sorted(c)
+                minus = [s.frequency_penalty * c[t] + (s.presence_penalty if t not in self._counts else 0.0) for t in ids]
+                self._add(z, torch.tensor(ids, dtype=torch.long), -torch.tensor(minus, dtype=torch.float32), sub)
         if self.matcher is not None:
             allowed = self.matcher.allowed(drafted)  # bool [vocab]
             z.masked_fill_(~(allowed if sub is None else allowed[sub.ids]), float("-inf"))
@@ -112,24 +119,22 @@ class Processing:
             z.masked_fill_(x < x.max() + math.log(s.min_p), float("-inf"))
         return z
 
-    def _entries(self, ids: torch.Tensor, sub: SubVocab | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(entries of the row, which of ids they are) for token ids."""
-        if sub is None:
-            keep = ids < self.vocab_size
-            return ids[keep], keep
-        j = sub.index[ids.clamp(max=len(sub.index) - 1)]
-        keep = (j >= 0) & (ids < len(sub.index))
-        return j[keep], keep
-
     def _add(self, z: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, sub: SubVocab | None) -> None:
-        j, keep = self._entries(ids, sub)
-        z.index_add_(0, j, values[keep])
+        """z[token] += value (ids: token ids below vocab_size)."""
+        if sub is None:
+            z.index_add_(0, ids, values)
+            return
+        j = sub.index[ids]
+        keep = j >= 0
+        z.index_add_(0, j[keep], values[keep])
 
     def _repeat(self, z: torch.Tensor, ids: torch.Tensor, sub: SubVocab | None) -> None:
-        j, _ = self._entries(ids, sub)
+        if sub is not None:
+            ids = sub.index[ids]
+            ids = ids[ids >= 0]
         r = self.sampling.repetition_penalty
-        v = z[j]
-        z[j] = torch.where(v > 0, v / r, v * r)
+        v = z[ids]
+        z[ids] = torch.where(v > 0, v / r, v * r)
 
     def rows(self, logits: torch.Tensor, draft: Sequence[int]) -> ProcessedRows:
         """The verify rows [k+1, V] of a step that drafted `draft`, processed lazily (row j after

@@ -11,12 +11,16 @@ Request fields honoured: model, max_tokens (or its newer name max_completion_tok
 when both are given), temperature (OpenAI's default 1.0 when absent), top_p, top_k (extension;
 0 or -1 = off), seed, stop (string or list), stop_token_ids (vLLM's extension: token ids that end
 the choice like EOS), n (1..MAX_N choices, one sequence each in the continuous batch; with a
-seed, choice i samples with seed + i), stream, stream_options.include_usage, user (ignored), and the
-extension object `"selfspec": {"strategy": ..., "exit_layer": ..., ...}` which changes the
+seed, choice i samples with seed + i), logprobs / top_logprobs, echo (completions), the logits
+processors presence_penalty, frequency_penalty, repetition_penalty, min_p, logit_bias,
+response_format (text, json_object, json_schema; extensions regex and grammar), stream,
+stream_options.include_usage, user (ignored), and the extension object
+`"selfspec": {"strategy": ..., "exit_layer": ..., ...}` which changes the
 draft configuration for this request only, within the operator's limits. An option the
 chosen strategy does not use is an error (DraftConfig's own rule), as on the CLI. Its
 "coupling" ("gumbel" or "rejection": SamplingConfig.coupling; the server's when absent) is a
-sampling option, accepted even where draft options are not.
+sampling option, accepted even where draft options are not. The per-field parsers are in
+fields.py; a grammar is compiled in encode (with the model's tokenizer, off the event loop).
 """
 
 from __future__ import annotations
