@@ -18,6 +18,7 @@ from selfspec.config import SamplingConfig
 from selfspec.sampling import Explicit, Softmax, distribution
 
 FLOOR = -9999.0  # what a -inf log-probability is sent as (JSON has no infinity)
+PROMPT_ROWS = 64  # scored_prompt: logits rows made at once (a row of a 262k vocabulary is 1 MB)
 
 
 @dataclass
@@ -73,3 +74,15 @@ def prompt_logprobs(logits: torch.Tensor, ids: list[int], top: int) -> list[Toke
 
 def json_value(lp: float) -> float:
     return lp if lp > FLOOR else FLOOR
+
+
+def scored_prompt(rt, ids: list[int], top: int) -> list[TokenLogprob | None]:
+    """prompt_logprobs of ids on runtime rt: one pass over the prompt (a cache of its own), the
+    logits made PROMPT_ROWS rows at a time."""
+    with torch.inference_mode():
+        h = rt.run_layers(rt.embed(torch.tensor(ids, device=rt.device)), 0, rt.num_layers, 0, rt.new_cache(len(ids) + 1))
+        out: list[TokenLogprob | None] = [None]
+        for a in range(0, len(ids) - 1, PROMPT_ROWS):
+            b = min(a + PROMPT_ROWS, len(ids) - 1)
+            out += prompt_logprobs(rt.logits(h[a:b]), ids[a : b + 1], top)[1:]
+    return out

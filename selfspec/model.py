@@ -29,7 +29,7 @@ from selfspec.errors import SelfSpecError, unknown_choice
 from selfspec.grammar import grammar_matcher
 from selfspec.greedy_head import screened_head
 from selfspec.loading import ALIASES, Checkpoint, check_fits, load_source, repo_id, resolve_tokenizer, runtime_bytes
-from selfspec.logprobs import TokenLogprob, prompt_logprobs
+from selfspec.logprobs import TokenLogprob, scored_prompt
 from selfspec.predictor.costs import CostModel
 from selfspec.processors import Processing
 from selfspec.profiles import Profile, best_options, builtin_profiles, installed_profile, load_profile, remember_repo
@@ -39,7 +39,6 @@ from selfspec.search.defaults import calibrated_options
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 _DRAFT_FIELDS = {f.name for f in fields(DraftConfig)}
-PROMPT_ROWS = 64  # prompt_logprobs: logits rows made at once (a row of a 262k vocabulary is 1 MB)
 _PROCESSOR_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "grammar")
 _log = logging.getLogger("selfspec")
 
@@ -338,17 +337,11 @@ class SelfSpecModel:
 
     def prompt_logprobs(self, prompt: str | list[int], top: int = 0) -> list[TokenLogprob | None]:
         """Every prompt token's log-probability under the model given the tokens before it (the
-        first: None) and its `top` most likely alternatives (logprobs.prompt_logprobs): one pass
-        over the prompt, its logits made PROMPT_ROWS rows at a time."""
+        first: None) and its `top` most likely alternatives: one pass over the prompt
+        (logprobs.scored_prompt)."""
         ids = self.encode(prompt)
-        rt = self.runtime
-        with self.computing(), torch.inference_mode():
-            h = rt.run_layers(rt.embed(torch.tensor(ids, device=rt.device)), 0, rt.num_layers, 0, rt.new_cache(len(ids) + 1))
-            out: list[TokenLogprob | None] = [None]
-            for a in range(0, len(ids) - 1, PROMPT_ROWS):
-                b = min(a + PROMPT_ROWS, len(ids) - 1)
-                out += prompt_logprobs(rt.logits(h[a:b]), ids[a : b + 1], top)[1:]
-        return out
+        with self.computing():
+            return scored_prompt(self.runtime, ids, top)
 
     def _request_options(self, max_new_tokens, stop, stop_token_ids, logprobs, chat, strategy, profile, draft,
                          options) -> tuple[GenerationConfig, dict, DraftConfig]:
