@@ -204,6 +204,10 @@ def test_echo_with_prompt_logprobs(srv, model):
         assert body["usage"]["completion_tokens"] == max_tokens
     body = post(srv, {"prompt": PROMPT, "echo": True, "max_tokens": 3, "temperature": 0}).json()
     assert body["choices"][0]["text"] == PROMPT + direct(model, PROMPT, max_new_tokens=3).text
+    body = post(srv, {"prompt": PROMPT, "echo": True, "logprobs": 0, "max_tokens": 2, "n": 2, "temperature": 0.8, "seed": 1}).json()
+    for c in body["choices"]:
+        assert c["text"].startswith(PROMPT) and c["logprobs"]["token_logprobs"][0] is None
+        assert c["logprobs"]["token_logprobs"][1:len(ids)] == pytest.approx([e.logprob for e in ref[1:]], abs=1e-6)
 
 
 # ---- processors, structured output ---------------------------------------------------------
@@ -245,6 +249,8 @@ def test_fifty_json_schema_requests_give_fifty_valid_documents(srv, client, mode
         else:
             texts.append(client.chat.completions.create(**kw).choices[0].message.content)
     assert texts[0] == ref.text
+    r = post(srv, {"messages": msgs, "max_tokens": 100, "temperature": 0, "response_format": rf}, "/v1/chat/completions")
+    assert r.json()["selfspec"]["free_accepted"] > 0  # keys and separators the schema forces
     for t in texts:
         jsonschema.validate(json.loads(t), SCHEMA)
     assert len(set(texts)) > 10

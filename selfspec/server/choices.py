@@ -55,7 +55,8 @@ class Choices:
     def _params_of(self, i: int) -> Params:
         if i == 0:
             return self.params
-        return replace(self.params, sampling=replace(self.params.sampling, seed=choice_seed(self.params.sampling.seed, i)))
+        # the echo (and its prompt logprobs) is choice 0's, the same for every choice
+        return replace(self.params, sampling=replace(self.params.sampling, seed=choice_seed(self.params.sampling.seed, i)), echo=False)
 
     def _on(self, i: int, item) -> None:  # the event loop
         if self._ended:

@@ -74,7 +74,8 @@ def _generation_stats(result) -> dict:
             "mean_accepted_length": s.mean_accepted_length, "verify_steps": s.verify_steps,
             "per_position_accepted": s.per_position_accepted, "per_position_drafted": s.per_position_drafted,
             "new_tokens": s.new_tokens, "stop_reason": result.finish_reason, "time_to_first_token_s": s.time_to_first_token_s,
-            "time_s": s.time_s, "tokens_per_second": s.tokens_per_second}
+            "time_s": s.time_s, "tokens_per_second": s.tokens_per_second,
+            "free_drafted": s.free_drafted, "free_accepted": s.free_accepted}  # tokens a grammar forced (engine.free_draft)
 
 
 def stats(srv, job, results) -> dict:
