@@ -28,11 +28,12 @@ from selfspec.engine import GenerationResult, StreamEvent, generate
 from selfspec.errors import SelfSpecError, unknown_choice
 from selfspec.grammar import grammar_matcher
 from selfspec.greedy_head import screened_head
-from selfspec.loading import ALIASES, Checkpoint, check_fits, load_source, repo_id, resolve_tokenizer, runtime_bytes
+from selfspec.loading import ALIASES, Checkpoint, check_fits, load_source, resolve_tokenizer, runtime_bytes
 from selfspec.logprobs import TokenLogprob, scored_prompt
 from selfspec.predictor.costs import CostModel
 from selfspec.processors import Processing
-from selfspec.profiles import Profile, best_options, builtin_profiles, installed_profile, load_profile, remember_repo
+from selfspec.profiles import (Profile, best_options, builtin_profiles, checkpoint_repo, installed_profile, load_profile,
+                               remember_repo)
 from selfspec.resources import DraftResources
 from selfspec.runtime import Runtime
 from selfspec.search.defaults import calibrated_options
@@ -407,23 +408,6 @@ class SelfSpecModel:
         return [h.result for h in handles]
 
 
-def _repo_of(name: str, spec: ModelSpec) -> str | None:
-    """The Hub repo a model came from: its Hub id, its path in the Hub cache, or a local copy
-    (`hf download --local-dir DIR`) whose directory is named after a checkpoint with a built-in
-    profile and has that checkpoint's shape. (A copy renamed and never loaded by its id is
-    recognised by its weights' fingerprint instead: profiles.remembered_repo.)"""
-    rid = repo_id(name)
-    if rid is not None or not os.path.isdir(os.path.expanduser(name)):
-        return rid
-    base = os.path.basename(os.path.normpath(os.path.expanduser(name))).lower()
-    for prof in builtin_profiles():
-        m = prof.model
-        shape = (m.get("num_layers"), m.get("hidden_size"), m.get("vocab_size"))
-        if any(i.split("/")[-1].lower() == base for i in prof.model_ids) and shape == (spec.num_layers, spec.hidden_size, spec.vocab_size):
-            return prof.model_ids[0]
-    return None
-
-
 def load(
     source="gemma-3-270m",
     *,
@@ -454,6 +438,6 @@ def load(
     del sd
     runtime.warm_up()
     model = SelfSpecModel(runtime, resolve_tokenizer(tok), name, chat_template,
-                          repo_id=_repo_of(name, spec) if isinstance(source, (str, os.PathLike)) else None)
+                          repo_id=checkpoint_repo(name, spec) if isinstance(source, (str, os.PathLike)) else None)
     model.prepare()
     return model

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from selfspec.config import DraftConfig
 from selfspec.errors import SelfSpecError
-from selfspec.loading import cache_root
+from selfspec.loading import cache_root, repo_id
 
 FORMAT = "selfspec-profile/1"
 
@@ -223,6 +223,24 @@ def builtin_profiles() -> list[Profile]:
     """The shipped profiles of published checkpoints (those keyed by Hub repo ids), by name."""
     out = [p for p in (_read_profile(f) for f in sorted(PACKAGED.glob("*.json"))) if p is not None and p.model_ids]
     return sorted(out, key=lambda p: p.model_ids[0].lower())
+
+
+def checkpoint_repo(name: str, spec) -> str | None:
+    """The Hub repo a model came from: its Hub id, its path in the Hub cache, or a local copy
+    (`hf download --local-dir DIR`) whose directory is named after a checkpoint with a built-in
+    profile and has that checkpoint's shape. (A copy renamed and never loaded by its id is
+    recognised by its weights' fingerprint instead: remembered_repo.)"""
+    rid = repo_id(name)
+    if rid is not None or not os.path.isdir(os.path.expanduser(name)):
+        return rid
+    base = os.path.basename(os.path.normpath(os.path.expanduser(name))).lower()
+    for prof in builtin_profiles():
+        m = prof.model
+        shape = (m.get("num_layers"), m.get("hidden_size"), m.get("vocab_size"))
+        if any(i.split("/")[-1].lower() == base for i in prof.model_ids) and shape == (spec.num_layers, spec.hidden_size, spec.vocab_size):
+            return prof.model_ids[0]
+    return None
+
 
 
 # ---- weights seen under a repo id -----------------------------------------------------------

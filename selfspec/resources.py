@@ -9,7 +9,7 @@ however many draft configurations a long-running process serves.
                           prepared for the runtime
     draft_model(source)   the runtime of a separate draft model
     cost_model(...)       measured primitive costs (predictor/costs.py), kept on disk per machine
-    batch_costs()         the batch planner's pass costs (batch/planner.py), kept on disk beside them
+    once(name, make)      anything made once per model (the batch planner's pass costs: batch/planner.py)
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from selfspec.architectures import ModelSpec
 from selfspec.draft_vocab import cached_frequency_order
 from selfspec.errors import SelfSpecError
 from selfspec.loading import cache_root, load_source, resolve_tokenizer
-from selfspec.predictor.costs import CostModel, head_key, load_costs, load_stored, save_costs, save_stored
+from selfspec.predictor.costs import CostModel, head_key, load_costs, save_costs
 from selfspec.quant import quantize_columns
 from selfspec.quant_store import load_weights, save_weights, store_path
 from selfspec.runtime import _MATRICES, Runtime
@@ -37,7 +37,6 @@ MAX_DRAFT_HEADS = 12  # restricted / quantized draft heads (search measures 11 a
 MAX_QUANTIZED = 2  # quantized copies of the model (int8: half the model's bytes each)
 MAX_ADAPTERS = 4
 MAX_DRAFT_MODELS = 2
-BATCH_FORMAT = "selfspec-batch-costs/1"
 
 
 def _lru_get(cache: OrderedDict, key, make, limit: int):
@@ -65,7 +64,7 @@ class DraftResources:
         self._adapters: OrderedDict = OrderedDict()
         self._draft_models: OrderedDict = OrderedDict()
         self._costs: dict = {}
-        self._batch_costs = None
+        self._made: dict = {}  # once()
         self._lock = threading.RLock()  # everything here is made once, whichever thread asks first
 
     # ---- vocabularies and heads ---------------------------------------------------------
@@ -224,36 +223,21 @@ class DraftResources:
     def _cost_identity(self, heads, bits) -> dict:
         return {**self._machine_identity(), "draft_heads": [head_key(*h) for h in heads], "quantized": list(bits)}
 
-    def batch_costs(self):
-        """The batch planner's pass costs (planner.BatchCosts): measured once per model and
-        machine (a second or two on the default model, which the first generate_batch of
-        every process used to pay: 0.61x a warm call), kept on disk beside the costs above
-        with the same identity, and the draft tables the planner times on first use kept with
-        them. A model without a fingerprint (a bare runtime) measures them once per process."""
-        from selfspec.batch.planner import BatchCosts  # the batch package builds drafters: imported late
-
+    def once(self, name: str, make):
+        """make(), made once whichever thread asks first, and kept with these resources (e.g.
+        the batch planner's pass costs: batch.planner.kept_costs)."""
         with self._lock:
-            if self._batch_costs is None:
-                ident = {**self._machine_identity(), "kind": "batch"} if self.fingerprint else None
-                saved = load_stored(ident, BATCH_FORMAT) if ident else None
-                costs = None
-                if saved is not None:
-                    try:
-                        costs = BatchCosts.from_dict(saved, self.runtime)
-                    except (KeyError, TypeError, ValueError, AttributeError):
-                        costs = None
-                if costs is None:
-                    with self.runtime.compute_scope():  # timed as batches run them
-                        costs = BatchCosts.measure(self.runtime)
-                if ident:
-                    costs.namer = self._draft_name
-                    costs.on_new_draft = lambda c: save_stored(ident, BATCH_FORMAT, c.to_dict())
-                    if saved is None:
-                        save_stored(ident, BATCH_FORMAT, costs.to_dict())
-                self._batch_costs = costs
-            return self._batch_costs
+            if name not in self._made:
+                self._made[name] = make()
+            return self._made[name]
 
-    def _draft_name(self, signature: tuple) -> str | None:
+    def stored_identity(self, kind: str) -> dict | None:
+        """The identity under which measurements of `kind` are kept on disk (predictor.costs.
+        save_stored): the model, numerics, build, threads and machine. None without a fingerprint
+        (a bare runtime): measured once per process then."""
+        return {**self._machine_identity(), "kind": kind} if self.fingerprint else None
+
+    def draft_name(self, signature: tuple) -> str | None:
         """A name of a batched draft's signature (passes.signature: draft runtime, exit layer,
         draft head, skip sets) that is the same in every process: which of these resources
         it drafts with. None for weights made elsewhere (not kept on disk then)."""

@@ -620,7 +620,7 @@ def test_batch_costs_are_measured_once_per_model_and_machine(tmp_path, monkeypat
     draft = DraftConfig("early-exit", exit_layer=2, num_speculations=3, draft_vocab=64)
     m.set_token_frequencies(torch.arange(m.spec.vocab_size))
     first = m.generate_batch(ps, max_new_tokens=8, draft=draft)
-    costs = m.resources.batch_costs()
+    costs = planner.kept_costs(m.resources)
     assert costs.drafts, "the batch timed its draft forward"
     (name,) = costs.drafts
     assert name.startswith("model E=2 head=64 ")
@@ -632,8 +632,8 @@ def test_batch_costs_are_measured_once_per_model_and_machine(tmp_path, monkeypat
     m2.set_token_frequencies(torch.arange(m2.spec.vocab_size))
     again = m2.generate_batch(ps, max_new_tokens=8, draft=draft)
     assert [r.token_ids for r in again] == [r.token_ids for r in first]
-    assert m2.resources.batch_costs().to_dict() == costs.to_dict()
+    assert planner.kept_costs(m2.resources).to_dict() == costs.to_dict()
 
     monkeypatch.setattr(kernels, "threads", lambda: 97)  # another thread count: another identity
     with pytest.raises(pytest.fail.Exception, match="measured again"):
-        DraftResources(m2.runtime, m2.fingerprint).batch_costs()
+        planner.kept_costs(DraftResources(m2.runtime, m2.fingerprint))

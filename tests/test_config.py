@@ -1,19 +1,12 @@
 """Configuration: every externally supplied option gets its field's type in one place
-(config.coerce), and an option the chosen strategy would not use is an error, not ignored."""
+(coercion.coerce), and an option the chosen strategy would not use is an error, not ignored."""
 
 from __future__ import annotations
 
 import pytest
 
-from selfspec.config import (
-    STRATEGY_FIELDS,
-    ConfigError,
-    ConfigTypeError,
-    DraftConfig,
-    GenerationConfig,
-    SamplingConfig,
-    typed,
-)
+from selfspec.coercion import ConfigError, ConfigTypeError, typed
+from selfspec.config import STRATEGY_FIELDS, DraftConfig, GenerationConfig, SamplingConfig
 from selfspec.errors import SelfSpecError
 
 

@@ -40,7 +40,7 @@ from dataclasses import replace
 import torch
 
 from selfspec.batch.passes import Part, draft_depth, signature, staged_forward, verify_part
-from selfspec.batch.planner import BatchCosts, CostScale, plan_with_probes, predicted, prompt_group
+from selfspec.batch.planner import BatchCosts, CostScale, kept_costs, plan_with_probes, predicted, prompt_group
 from selfspec.batch.sequence import BatchHandle, BatchRequest, Sequence
 from selfspec.cache import CachePool
 from selfspec.config import MAX_SPECULATIONS
@@ -67,7 +67,7 @@ def default_prefill_chunk(cpus: int | None = None) -> int:
 
 def batch_costs(rt) -> BatchCosts:
     """A bare runtime's batched pass costs, measured on first use (a second or two) and kept
-    for the process; a model's are its resources' (DraftResources.batch_costs: kept on disk)."""
+    for the process; a model's are kept on disk (planner.kept_costs)."""
     if rt not in _costs:
         _costs[rt] = BatchCosts.measure(rt)
     return _costs[rt]
@@ -330,7 +330,7 @@ class BatchEngine:
     def costs(self) -> BatchCosts:
         if self._costs is None:
             res = getattr(self.model, "resources", None)
-            self._costs = res.batch_costs() if res is not None else batch_costs(self.rt)
+            self._costs = kept_costs(res) if res is not None else batch_costs(self.rt)
         return self._costs
 
     def _plan(self, seqs: list[Sequence], prefill) -> tuple[float, float] | None:

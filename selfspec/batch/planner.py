@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from selfspec.cache import SegmentTable
-from selfspec.predictor.costs import time_alternating, time_call
+from selfspec.predictor.costs import load_stored, save_stored, time_alternating, time_call
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 # A plan must beat drafting nothing by this factor: a smaller predicted gain is within the
@@ -116,7 +116,7 @@ class BatchCosts:
         return t
 
     def to_dict(self) -> dict:
-        """The measured tables (the file resources.batch_costs keeps)."""
+        """The measured tables (the file kept_costs keeps)."""
         return {"layers": self.layers, "head": self.head, "overhead": self.overhead, "drafts": self.drafts}
 
     @classmethod
@@ -129,6 +129,38 @@ class BatchCosts:
         if runtime is not None:
             costs._reference = weakref.ref(runtime)
         return costs
+
+
+KEPT_FORMAT = "selfspec-batch-costs/1"
+
+
+def kept_costs(res) -> BatchCosts:
+    """A model's pass costs (res: its resources.DraftResources): measured once per model and
+    machine (a second or two on the default model, which the first generate_batch of every
+    process used to pay: 0.61x a warm call), kept on disk beside the primitive costs with the
+    same identity, and the draft tables timed on first use kept with them. A model without a
+    fingerprint measures them once per process."""
+    return res.once("batch_costs", lambda: _load_or_measure(res))
+
+
+def _load_or_measure(res) -> BatchCosts:
+    ident = res.stored_identity("batch")
+    saved = load_stored(ident, KEPT_FORMAT) if ident else None
+    costs = None
+    if saved is not None:
+        try:
+            costs = BatchCosts.from_dict(saved, res.runtime)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            costs = None
+    if costs is None:
+        with res.runtime.compute_scope():  # timed as batches run them
+            costs = BatchCosts.measure(res.runtime)
+    if ident:
+        costs.namer = res.draft_name
+        costs.on_new_draft = lambda c: save_stored(ident, KEPT_FORMAT, c.to_dict())
+        if saved is None:
+            save_stored(ident, KEPT_FORMAT, costs.to_dict())
+    return costs
 
 
 DRAFT_ROWS = (1, 2, 4, 8, 16, 32)

@@ -25,6 +25,8 @@ from selfspec.config import DRAFT_BITS, DraftConfig
 from selfspec.errors import SelfSpecError
 from selfspec.predictor.calibrate import AUTO_DRAFT_VOCAB
 from selfspec.predictor.costs import load_stored, save_stored
+from selfspec.search.objective import Calibration, predict
+from selfspec.tools.datasets import load_dataset
 
 CALIBRATED = ("quantized", "prompt-lookup")  # strategies that run bare and the predictor models
 SETS = ("code", "text")
@@ -75,9 +77,6 @@ def calibrated_options(model, strategy: str) -> dict | None:
 
 
 def _rank(model, strategy: str) -> dict | None:
-    from selfspec.search.objective import Calibration, predict  # imported late: the search package needs optuna only to search
-    from selfspec.tools.datasets import load_dataset
-
     res, spec = model.resources, model.spec
     restricted = res.has_token_order()
     grid = candidates(strategy, spec.vocab_size, restricted)

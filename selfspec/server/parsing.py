@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from selfspec.config import STRATEGIES, ConfigError, ConfigTypeError, DraftConfig, SamplingConfig, typed
+from selfspec.coercion import ConfigError, ConfigTypeError, typed
+from selfspec.config import STRATEGIES, DraftConfig, SamplingConfig
 from selfspec.errors import SelfSpecError
 from selfspec.server.errors import APIError, bad
 from selfspec.grammar import grammar_matcher

@@ -51,7 +51,8 @@ import torch
 import selfspec
 from selfspec.chat_templates import resolve
 from selfspec.cli_args import config_kwargs
-from selfspec.config import DraftConfig, coerce
+from selfspec.coercion import coerce
+from selfspec.config import DraftConfig
 from selfspec.errors import SelfSpecError
 from selfspec.server.settings import ServerSettings
 from selfspec.server.worker import warmup as _warmup
@@ -95,7 +96,7 @@ _BUILD_ARG_TYPES = {"replicas": int, "threads": int | None, "num_cpus": float | 
 
 
 def _coerce(key: str, value):
-    """Serve CLI builder args arrive as strings: give each its field's type (config.coerce)."""
+    """Serve CLI builder args arrive as strings: give each its field's type (coercion.coerce)."""
     if key in _BUILD_ARG_TYPES:
         return coerce(key, _BUILD_ARG_TYPES[key], value)
     return value

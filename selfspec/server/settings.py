@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
-from selfspec.config import COUPLINGS, MAX_SPECULATIONS, STRATEGIES, SamplingConfig, coerce_fields
+from selfspec.coercion import coerce_fields
+from selfspec.config import COUPLINGS, MAX_SPECULATIONS, STRATEGIES, SamplingConfig
 from selfspec.errors import SelfSpecError
 
 # Draft options a request may set in its `selfspec` object. Never draft_model (a path on the

@@ -41,6 +41,7 @@ import time
 from collections import deque
 
 from selfspec.batch import BatchEngine, BatchHandle, BatchRequest
+from selfspec.batch.planner import kept_costs
 from selfspec.config import GenerationConfig
 from selfspec.engine import GenerationResult, GenerationStats
 from selfspec.server.errors import APIError
@@ -316,5 +317,5 @@ def warmup(model, draft) -> None:
     ids = [t for t in ids if 0 <= t < model.spec.vocab_size] or [0]
     model.generate(ids, max_new_tokens=2, draft=draft)
     with model.computing():
-        model.resources.batch_costs()
+        kept_costs(model.resources)
     model.generate_batch([ids, ids], max_new_tokens=4, draft=draft, max_batch=2)
