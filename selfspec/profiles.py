@@ -11,7 +11,7 @@ import json
 import logging
 import os
 import secrets
-from dataclasses import dataclass, field, replace
+from dataclasses import KW_ONLY, dataclass, field, replace
 from pathlib import Path
 
 from selfspec.config import DraftConfig
@@ -27,6 +27,7 @@ class Profile:
     model_fingerprint: str
     model_name: str = ""
     metrics: dict = field(default_factory=dict)  # e.g. measured speedup, acceptance
+    _: KW_ONLY  # the optional parts below are named (older profiles have none of them)
     # Hub repo ids the profile is for, whatever their weights' fingerprint (the built-in profiles
     # of published checkpoints, made before their weights were seen here): see installed_profile
     model_ids: tuple[str, ...] = ()
@@ -118,8 +119,8 @@ def load_profile(path: str | os.PathLike, fingerprint: str | None = None, repo_i
         except (SelfSpecError, TypeError) as e:
             raise SelfSpecError(f"bad options for {name} in {path}: {e}") from e
     model = d.get("model") if isinstance(d.get("model"), dict) else {}
-    return Profile(draft, d.get("model_fingerprint", ""), d.get("model_name", ""), d.get("metrics", {}), tuple(ids), model,
-                   strategies)
+    return Profile(draft, d.get("model_fingerprint", ""), d.get("model_name", ""), d.get("metrics", {}), model_ids=tuple(ids),
+                   model=model, strategies=strategies)
 
 
 # ---- profiles that lose -------------------------------------------------------------------

@@ -38,7 +38,7 @@ def test_explicit_options_leave_out_defaults_and_derived_values():
 
 def test_profile_strategies_map_round_trips_and_old_profiles_still_load(tmp_path):
     strategies = {"early-exit": {"options": {"exit_layer": 2, "num_speculations": 6}, "metrics": {"measured_speedup": 0.8}}}
-    p = Profile(DraftConfig("prompt-lookup", num_speculations=2), "ab" * 8, "m", {"measured_speedup": 1.3}, strategies)
+    p = Profile(DraftConfig("prompt-lookup", num_speculations=2), "ab" * 8, "m", {"measured_speedup": 1.3}, strategies=strategies)
     save_profile(p, tmp_path / "p.json")
     assert load_profile(tmp_path / "p.json").strategies == strategies
     old = Profile(DraftConfig("prompt-lookup"), "ab" * 8).to_dict()
@@ -74,7 +74,7 @@ def test_a_named_strategy_takes_the_profiles_best_options_and_given_ones_overrid
     strategies = {"early-exit": {"options": {"exit_layer": 2, "num_speculations": 6, "draft_threshold": 0.3}, "metrics": {}},
                   "prompt-lookup": {"options": {"num_speculations": 7, "max_ngram": 2}, "metrics": {}}}
     install_profile(Profile(DraftConfig("layer-skip", skip_mlp=(1,), num_speculations=2), m.fingerprint, "tiny",
-                            {"measured_speedup": 1.2}, strategies))
+                            {"measured_speedup": 1.2}, strategies=strategies))
     assert m.draft_config("early-exit") == DraftConfig("early-exit", exit_layer=2, num_speculations=6, draft_threshold=0.3)
     assert m.draft_config("early-exit", num_speculations=3) == DraftConfig("early-exit", exit_layer=2, num_speculations=3,
                                                                             draft_threshold=0.3)

@@ -123,7 +123,7 @@ def cmd_search(args) -> int:
         metrics["speedup_vs_autoregressive"] = metrics["measured_speedup"]
     metrics["slower_than_autoregressive"] = speed is not None and speed < 1.0
     strategies = _best_per_strategy(cfg, model, study, best, metrics, prompts, log, confirm=cfg.confirm and not interrupted)
-    profile = Profile(best, model.fingerprint, model.name, S.json_safe(metrics), S.json_safe(strategies))
+    profile = Profile(best, model.fingerprint, model.name, S.json_safe(metrics), strategies=S.json_safe(strategies))
     _write_results(args, cfg, model, study, profile, out_dir, interrupted, speed)
     if args.install:
         log(f"installed for --strategy auto: {install_profile(profile)}")  # refuses a losing profile (exit 2)

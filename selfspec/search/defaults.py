@@ -25,7 +25,7 @@ from selfspec.config import DRAFT_BITS, DraftConfig
 from selfspec.errors import SelfSpecError
 from selfspec.predictor.calibrate import AUTO_DRAFT_VOCAB
 from selfspec.predictor.costs import load_stored, save_stored
-from selfspec.search.objective import Calibration, predict
+from selfspec.search import objective
 from selfspec.tools.datasets import load_dataset
 
 CALIBRATED = ("quantized", "prompt-lookup")  # strategies that run bare and the predictor models
@@ -86,10 +86,10 @@ def _rank(model, strategy: str) -> dict | None:
                  "(once per model and machine: kept with the measured costs)", strategy)
     room = min(MAX_PROMPT_TOKENS, (model.context_length - NEW_TOKENS) // 2)  # the prompt's last tokens, well within the context
     prompts = [model.tokenizer(s.prompt).input_ids[-room:] for name in SETS for s in load_dataset(name, PROMPTS_PER_SET, seed=0).samples]
-    cal = Calibration(model, prompts, NEW_TOKENS, strategy="autoregressive")
+    cal = objective.Calibration(model, prompts, NEW_TOKENS, strategy="autoregressive")
     heads = {c.draft_head() for c in grid} - {(None, None)}
     bits = {c.draft_bits for c in grid if c.strategy == "quantized"}
     costs = res.cost_model(heads=tuple(heads), bits=tuple(b for b in bits if b in DRAFT_BITS)).greedy()
-    scored = [(predict(c, cal, costs).speedup, c) for c in grid]
+    scored = [(objective.predict(c, cal, costs).speedup, c) for c in grid]
     best_speedup, best = max(scored, key=lambda sc: sc[0])
     return {"options": best.explicit_options(), "predicted_speedup": best_speedup, "label": best.label()}
