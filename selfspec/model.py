@@ -21,6 +21,7 @@ import torch
 from selfspec import chat_templates, kernels
 from selfspec.architectures import ModelSpec
 from selfspec.batch import BatchEngine, BatchRequest
+from selfspec.batch.planner import kept_costs
 from selfspec.config import STRATEGIES, DraftConfig, GenerationConfig, Grammar, SamplingConfig
 from selfspec.drafters import Drafter, build
 from selfspec.drafters.factory import runs_here
@@ -261,11 +262,15 @@ class SelfSpecModel:
     def prepare(self) -> None:
         """Make what the default strategy drafts with now, when the model has an installed
         profile (quantized copy, draft head, measured costs), so that the first generation does
-        not pay for it (load does this). Without a profile auto calibrates per prompt instead.
-        The screened greedy head (greedy_head.py) is made here too, where it applies."""
+        not pay for it (load does this), nor the first generate_batch: the batch planner's pass
+        costs, measured once per machine and kept (batch/planner.kept_costs; ~1 s on the default
+        model). Without a profile auto calibrates per prompt instead, and a batch measures the
+        costs at its first call. The screened greedy head (greedy_head.py) is made here too."""
         screened_head(self.runtime)
         if installed_profile(self.fingerprint, repo_id=self.repo_id) is not None:
             self.drafter(self.draft_config())
+            with self.computing():
+                kept_costs(self.resources)
 
     def memory(self) -> dict[str, int]:
         """Bytes the model holds, by what: its weights as the runtime lays them out (64-column

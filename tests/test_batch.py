@@ -605,6 +605,27 @@ def test_the_cache_pool_keeps_capacities_apart_and_its_bytes_bounded():
     assert len(pool._free) == 3 and pool.bytes == 3 * size  # the oldest dropped
 
 
+def test_a_model_with_a_profile_has_its_batch_costs_from_load(tmp_path, monkeypatch):
+    """Load prepares what the default strategy needs (model.prepare), the batch planner's pass
+    costs too: the first generate_batch of a process does not measure them (it ran at 0.61x a
+    warm call on the default model when it did). Kept on disk, so this happens once."""
+    from selfspec.profiles import Profile, install_profile
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))  # installed profiles
+    monkeypatch.setenv("SELFSPEC_COSTS_DIR", str(tmp_path / "costs"))
+    kept = lambda: sum('"selfspec-batch-costs/' in f.read_text() for f in (tmp_path / "costs").glob("*.json"))  # noqa: E731
+    hf = build_hf("llama", seed=4, num_layers=4)
+    fp = selfspec.load(hf, dtype="float32").fingerprint
+    assert kept() == 0  # no profile: measured at the first batch, if any
+    install_profile(Profile(DraftConfig("early-exit", exit_layer=2, num_speculations=3), fp, "tiny"))
+    m = selfspec.load(hf, dtype="float32")
+    assert kept() == 1
+    monkeypatch.setattr(BatchCosts, "measure", classmethod(lambda *a, **k: pytest.fail("measured at the first batch")))
+    ps = prompts(n=2, seed=5, lengths=(6, 9))
+    out = m.generate_batch(ps, max_new_tokens=6, strategy="autoregressive")
+    assert [r.token_ids for r in out] == [ar_generate(m, p, max_new_tokens=6).token_ids for p in ps]
+
+
 def test_batch_costs_are_measured_once_per_model_and_machine(tmp_path, monkeypatch):
     """The planner's pass costs and the draft tables it times are kept on disk beside the
     measured costs (same identity: model, numerics, threads, build): a new process (a new
