@@ -15,6 +15,7 @@ however many draft configurations a long-running process serves.
 from __future__ import annotations
 
 import hashlib
+import logging
 import platform
 import threading
 from collections import OrderedDict
@@ -27,11 +28,13 @@ from selfspec.architectures import ModelSpec
 from selfspec.draft_vocab import cached_frequency_order
 from selfspec.errors import SelfSpecError
 from selfspec.loading import cache_root, load_source, resolve_tokenizer
-from selfspec.predictor.costs import CostModel, head_key, load_costs, save_costs
+from selfspec.predictor.costs import CostModel, head_key, load_costs, measure_plausibly, save_costs
 from selfspec.quant import quantize_columns
 from selfspec.quant_store import load_weights, save_weights, store_path
 from selfspec.runtime import _MATRICES, Runtime
 from selfspec.sampling import SubVocab
+
+_log = logging.getLogger("selfspec")
 
 MAX_DRAFT_HEADS = 12  # restricted / quantized draft heads (search measures 11 at once)
 MAX_QUANTIZED = 2  # quantized copies of the model (int8: half the model's bytes each)
@@ -206,9 +209,13 @@ class DraftResources:
                 costs = load_costs(ident)
                 if costs is None:
                     with self.runtime.compute_scope():  # timed as generations run them
-                        costs = CostModel.measure(self.runtime, {head_key(*h): self.draft_head(*h)[1] for h in heads},
-                                                  {b: self.quantized(b) for b in bits})
-                    save_costs(ident, costs)
+                        costs, why = measure_plausibly(lambda: CostModel.measure(
+                            self.runtime, {head_key(*h): self.draft_head(*h)[1] for h in heads}, {b: self.quantized(b) for b in bits}))
+                    if why is None:
+                        save_costs(ident, costs)
+                    else:  # kept for this process only: the next load measures again
+                        _log.warning(f"selfspec: note: the machine was busy while timing its primitives ({why}); "
+                                     "auto's choices may be off until a later load measures them again")
                 self._costs[key] = costs
             return self._costs[key]
 

@@ -145,6 +145,27 @@ class CostModel:
         head_greedy = {r: min(t, head[r]) for r, t in head_greedy.items()}  # never dearer: it could fall back to the full head
         return cls(L, attn, mlp, head, drafts, embed, overhead, quant, head_greedy)
 
+    def implausible(self) -> str | None:
+        """Why these timings cannot be this machine's, else None. Taken on a busy machine (other
+        processes only add time, and the kernels' spinning workers lose whole time slices), a
+        table can come out tens of times too high in places: one kept on disk from such a moment
+        once priced the int8 draft's layers at 150x the model's own and auto never drafted. The
+        bounds leave a wide margin: r rows cost at most 2r times one row (the same work r times,
+        memory-bound: ~1.3x at 2 rows in practice), and a quantized sub-layer or a draft head
+        at most 4x what the model's own sub-layer or full head costs (they read fewer bytes)."""
+        for name, table in (("attention", self.attn), ("MLP", self.mlp), ("head", self.head)):
+            one = table.get(1)
+            for r, t in table.items():
+                if one is not None and t > 2.0 * r * max(one, 1e-7):
+                    return f"{name} over {r} rows timed at {t / one:.0f}x one row"
+        for bits, (a, m) in self.quant_layers.items():
+            if a > 4.0 * self.attn[1] or m > 4.0 * self.mlp[1]:
+                return f"an int{bits} sub-layer timed at {max(a / self.attn[1], m / self.mlp[1]):.0f}x the model's own"
+        for k, t in self.draft_heads.items():
+            if t > 4.0 * self.head[1]:
+                return f"draft head {k} timed at {t / self.head[1]:.0f}x the full head"
+        return None
+
     # -- composite costs ------------------------------------------------------------------
 
     def layers(self, n: int, rows: int = 1) -> float:
@@ -235,12 +256,26 @@ def save_stored(identity: dict, fmt: str, costs: dict) -> None:
 
 
 def load_costs(identity: dict) -> CostModel | None:
-    """Costs measured earlier for exactly this identity (model, dtype, device, threads...)."""
+    """Costs measured earlier for exactly this identity (model, dtype, device, threads...);
+    None also for timings that cannot be right (CostModel.implausible): measured again."""
     d = load_stored(identity, FORMAT)
     try:
-        return None if d is None else CostModel.from_dict(d)
+        costs = None if d is None else CostModel.from_dict(d)
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
+    return None if costs is None or costs.implausible() else costs
+
+
+def measure_plausibly(measure, attempts: int = 3) -> tuple[CostModel, str | None]:
+    """measure() again while its timings are implausible, at most `attempts` times: (the last
+    costs, why they are still implausible or None). A busy moment passes; a busy machine keeps
+    the last timings for this process only (see resources.cost_model)."""
+    for _ in range(attempts):
+        costs = measure()
+        why = costs.implausible()
+        if why is None:
+            break
+    return costs, why
 
 
 def save_costs(identity: dict, costs: CostModel) -> None:
