@@ -4,7 +4,8 @@
      logits: the processors' cost does not depend on their values): presence + frequency +
      repetition penalties with a 512-token context and 300 logit_bias entries
      (Processing.row, with 4 drafts before the row), and logprobs with 5 alternatives
-     (logprobs.token_logprob, greedy and sampled); median of --reps, torch single-threaded as
+     (logprobs.token_logprob, greedy and sampled; under top_p also with the distribution
+     acceptance built for the row, as a generation computes it); median of --reps, torch single-threaded as
      inside a generation (kernels.compute_scope);
   2. JSON-schema output on the default model (bf16): 8 prompts asking for a record, one schema
      with nested objects and enums, greedy, the default strategy (auto) against autoregressive
@@ -29,7 +30,8 @@ import torch
 
 from selfspec import kernels
 from selfspec.config import GenerationConfig, SamplingConfig
-from selfspec.logprobs import token_logprob
+from selfspec.logprobs import drawn_from, token_logprob
+from selfspec.sampling import distribution
 from selfspec.processors import Processing
 
 V = 262_144
@@ -85,6 +87,9 @@ def _costs(reps: int) -> dict:
     out["logprobs_top5_greedy_ms"] = _median_ms(lambda: token_logprob(row, 5, greedy, 5), reps)
     out["logprobs_top5_temperature_ms"] = _median_ms(lambda: token_logprob(row, 5, warm, 5), reps)
     out["logprobs_top5_top_p_ms"] = _median_ms(lambda: token_logprob(row, 5, nucleus, 5), reps)
+    # in a generation the truncated distribution is acceptance's (ProcessedRows.row_dist): built once a row
+    built = distribution(row, drawn_from(nucleus))
+    out["logprobs_top5_top_p_shared_ms"] = _median_ms(lambda: token_logprob(row, 5, nucleus, 5, built), reps)
     out["logprobs_top0_greedy_ms"] = _median_ms(lambda: token_logprob(row, 5, greedy, 0), reps)
     return out
 

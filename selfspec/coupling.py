@@ -181,5 +181,8 @@ class GumbelPicks(Sequence):
 
     def __getitem__(self, i):
         if i not in self._picks:
-            self._picks[i] = gumbel_token(self.logits[i], self.cfg, self.key, self.pos + i)
+            if hasattr(self.logits, "row_dist") and truncating(self.cfg, self.logits.shape[1]):  # processed rows keep their Dist
+                self._picks[i] = gumbel_max(self.logits.row_dist(i, self.cfg), self.key, self.pos + i)
+            else:
+                self._picks[i] = gumbel_token(self.logits[i], self.cfg, self.key, self.pos + i)
         return self._picks[i]

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from selfspec.config import SamplingConfig
-from selfspec.sampling import Explicit, Softmax, distribution
+from selfspec.sampling import Dist, Explicit, Softmax, distribution
 
 FLOOR = -9999.0  # what a -inf log-probability is sent as (JSON has no infinity)
 PROMPT_ROWS = 64  # scored_prompt: logits rows made at once (a row of a 262k vocabulary is 1 MB)
@@ -33,11 +33,12 @@ def drawn_from(sampling: SamplingConfig) -> SamplingConfig:
     return SamplingConfig(temperature=1.0) if sampling.greedy else replace(sampling, logit_bias=None, grammar=None)
 
 
-def token_logprob(row: torch.Tensor, token: int, sampling: SamplingConfig, top: int) -> TokenLogprob:
+def token_logprob(row: torch.Tensor, token: int, sampling: SamplingConfig, top: int, d: Dist | None = None) -> TokenLogprob:
     """The log-probability of `token` and the `top` most likely tokens under the distribution of
-    processed logits row [V] (module doc)."""
+    processed logits row [V] (module doc); d: that distribution when acceptance built it already
+    (distribution(row, drawn_from(sampling)))."""
     cfg = drawn_from(sampling)
-    d = distribution(row, cfg)
+    d = distribution(row, cfg) if d is None else d
     if isinstance(d, Softmax):  # log p_t = x_t - m - log z over {x >= tau}
         shift = d.m + math.log(d.z)
         x = row / cfg.temperature

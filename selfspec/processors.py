@@ -32,8 +32,8 @@ from collections.abc import Sequence
 import torch
 
 from selfspec.config import GenerationConfig, SamplingConfig
-from selfspec.logprobs import TokenLogprob, token_logprob
-from selfspec.sampling import SubVocab
+from selfspec.logprobs import TokenLogprob, drawn_from, token_logprob
+from selfspec.sampling import Dist, SubVocab, distribution
 
 
 class Processing:
@@ -76,7 +76,8 @@ class Processing:
         and the verifier's token); rows[i]: the processed logits token i was chosen from (logprobs)."""
         if self.top is not None and rows is not None:
             for i, t in enumerate(tokens):
-                self.logprobs.append(token_logprob(rows[i], t, self.sampling, self.top))
+                d = rows.row_dist(i, drawn_from(self.sampling)) if isinstance(rows, ProcessedRows) else None
+                self.logprobs.append(token_logprob(rows[i], t, self.sampling, self.top, d))
         if self.matcher is not None:
             self.matcher.commit(tokens)
         if self.sampling.presence_penalty or self.sampling.frequency_penalty:
@@ -150,12 +151,21 @@ class Processing:
 class ProcessedRows(Sequence):
     """Row j: Processing.row(logits[j], draft[:j]), made on first use (acceptance stops at the
     first rejection; rows are asked for in order). Quacks like the logits tensor where
-    sampling.Rows and GumbelPicks read one (`shape`, `[j]`)."""
+    sampling.Rows and GumbelPicks read one (`shape`, `[j]`), and keeps each row's distribution
+    (`row_dist`) for the logprobs of the tokens it accepts: a truncated one is built once a row."""
 
     def __init__(self, proc: Processing, logits: torch.Tensor, draft: list[int]):
         self.proc, self.logits, self.draft = proc, logits, draft
         self.shape = logits.shape
         self._rows: dict[int, torch.Tensor] = {}
+        self._dists: dict[tuple, Dist] = {}
+
+    def row_dist(self, j: int, cfg: SamplingConfig) -> Dist:
+        """sampling.distribution of row j under cfg (made once per row and transform)."""
+        key = (j, cfg.temperature, cfg.top_k, cfg.top_p)
+        if key not in self._dists:
+            self._dists[key] = distribution(self[j], cfg)
+        return self._dists[key]
 
     def __len__(self):
         return self.shape[0]

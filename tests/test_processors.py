@@ -264,6 +264,31 @@ def test_logprobs_equal_a_plain_forward_pass(zoo, arch):
         assert np.allclose([e.logprob for e in spec.logprobs], [e.logprob for e in ar.logprobs], atol=1e-5)
 
 
+def test_logprobs_take_the_distribution_acceptance_built(zoo, monkeypatch):
+    """Under truncation a row's distribution (a pass over the vocabulary) is built once: the
+    logprobs of the tokens a step accepts read the one acceptance built, under either rule;
+    only the first token (the prompt pass's row) builds its own. Values as without sharing."""
+    from selfspec import logprobs
+
+    hf, m = zoo.get("llama")
+    prompt = prompts()[0]
+    samp = dict(temperature=0.8, top_p=0.9, seed=5, max_new_tokens=12, logprobs=2, **STRATEGIES[0])
+    real, calls = logprobs.distribution, []
+    monkeypatch.setattr(logprobs, "distribution", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for coupling in ("gumbel", "rejection"):
+        calls.clear()
+        out = m.generate(prompt, coupling=coupling, **samp)
+        assert len(out.logprobs) == len(out.token_ids) == 12 and len(calls) == 1, coupling
+        assert m.generate(prompt, coupling=coupling, **{**samp, "logprobs": None}).token_ids == out.token_ids
+        logits = hf_logits(hf, prompt + out.token_ids)
+        for i, e in enumerate(out.logprobs):  # the nucleus's log-softmax, from a plain forward pass
+            x = logits[len(prompt) - 1 + i].double() / 0.8
+            p = x.softmax(-1)
+            above = (p[None, :] * (p[None, :] > p[:, None])).sum(-1)  # mass strictly more likely than each token
+            ref = x.masked_fill(above >= 0.9, -math.inf).log_softmax(-1)
+            assert abs(e.logprob - float(ref[e.token])) < 1e-3, (coupling, i)
+
+
 def test_prompt_logprobs(zoo):
     hf, m = zoo.get("llama")
     prompt = prompts(lengths=(70,))[0]  # more than one chunk of rows
