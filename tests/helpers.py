@@ -226,6 +226,19 @@ def load_tiny(arch: str, seed: int = 0, dtype: str = "float32", tokenizer=None, 
 # ---- checkpoints on disk -------------------------------------------------------------------
 
 
+def random_adapter(path, seed: int = 0) -> str:
+    """A random exit adapter with attention at exit layer 2 (hidden 64: every tiny arch), saved to path."""
+    from selfspec.adapter import AdapterMeta, ExitAdapter, save_adapter
+
+    a = ExitAdapter(AdapterMeta(exit_layer=2, hidden_size=64, inner_size=16, heads=2, head_dim=8))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        a.down.copy_(torch.randn(a.down.shape, generator=g) * 0.5)
+        a.out.copy_(torch.randn(a.out.shape, generator=g) * 0.5)
+    save_adapter(a, path)
+    return str(path)
+
+
 def write_llama_checkpoint(path, *, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int,
                            tied: bool, dtype=torch.bfloat16, shard_bytes: int = 2 << 30, seed: int = 0, max_pos: int = 4096):
     """A random-weight Llama checkpoint written as transformers writes one (config.json,

@@ -21,7 +21,7 @@ from selfspec.drafters import Draft, Drafter, make_drafter
 from selfspec.engine import generate
 from selfspec.errors import SelfSpecError
 
-from helpers import ARCHS, VOCAB, ar_generate, assert_plain, build_hf, prompts, word_tokenizer
+from helpers import ARCHS, VOCAB, ar_generate, assert_plain, build_hf, prompts, random_adapter, word_tokenizer
 
 GREEDY = SamplingConfig()
 N_NEW = 30
@@ -91,16 +91,7 @@ def _token_frequencies(model, seed: int = 0) -> None:
 @pytest.fixture(scope="session")
 def adapter_path(tmp_path_factory) -> str:
     """A random exit adapter with attention at exit layer 2 (hidden 64: every tiny arch)."""
-    from selfspec.adapter import AdapterMeta, ExitAdapter, save_adapter
-
-    a = ExitAdapter(AdapterMeta(exit_layer=2, hidden_size=64, inner_size=16, heads=2, head_dim=8))
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        a.down.copy_(torch.randn(a.down.shape, generator=g) * 0.5)
-        a.out.copy_(torch.randn(a.out.shape, generator=g) * 0.5)
-    path = tmp_path_factory.mktemp("adapter") / "adapter.safetensors"
-    save_adapter(a, path)
-    return str(path)
+    return random_adapter(tmp_path_factory.mktemp("adapter") / "adapter.safetensors", seed=0)
 
 
 def _cfg(kw: dict, draft_model_dir: str, adapter: str | None = None) -> dict:

@@ -29,7 +29,7 @@ from selfspec.coupling import gumbel_max, gumbel_noise, gumbel_noise_torch, gumb
 from selfspec.sampling import SubVocab, distribution, probs_from_logits
 from selfspec.verification import coupled_accept
 
-from helpers import ARCHS, ar_generate, build_hf, prompts
+from helpers import ARCHS, ar_generate, build_hf, prompts, random_adapter
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="the C kernels are not available here")
 
@@ -65,16 +65,7 @@ def draft_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def adapter_path(tmp_path_factory) -> str:
-    from selfspec.adapter import AdapterMeta, ExitAdapter, save_adapter
-
-    a = ExitAdapter(AdapterMeta(exit_layer=2, hidden_size=64, inner_size=16, heads=2, head_dim=8))
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        a.down.copy_(torch.randn(a.down.shape, generator=g) * 0.5)
-        a.out.copy_(torch.randn(a.out.shape, generator=g) * 0.5)
-    path = tmp_path_factory.mktemp("seeded-adapter") / "adapter.safetensors"
-    save_adapter(a, path)
-    return str(path)
+    return random_adapter(tmp_path_factory.mktemp("seeded-adapter") / "adapter.safetensors", seed=1)
 
 
 @contextlib.contextmanager
