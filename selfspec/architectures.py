@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from selfspec.errors import SelfSpecError
-from selfspec.kernels.weights import chunk_rows
+from selfspec.kernels.weights import chunk_rows, release_freed
 
 # model_type -> family switches that are not in the config itself.
 _FAMILIES: dict[str, dict] = {
@@ -189,6 +189,15 @@ def _rows_copy(src, dtype: torch.dtype, device) -> torch.Tensor:
     return out
 
 
+def _released(lay):
+    """lay(parts), then the chunks it freed handed back to the OS (kernels.weights.release_freed)."""
+    def laid(parts):
+        w = lay(parts)
+        release_freed()
+        return w
+    return laid
+
+
 def weights_from_state_dict(spec: ModelSpec, sd: Mapping[str, torch.Tensor], dtype: torch.dtype, device,
                             matrix=None, head_matrix=None) -> dict:
     """HF names -> runtime layout: linear weights transposed to [in, out] (see runtime.py
@@ -202,8 +211,8 @@ def weights_from_state_dict(spec: ModelSpec, sd: Mapping[str, torch.Tensor], dty
     the largest tensor never has a second copy either."""
     names = {_stripped(k): k for k in sd}
     lazy = getattr(sd, "lazy", None)
-    matrix = matrix or _plain_matrix(dtype, device)
-    head_matrix = head_matrix or matrix
+    matrix = _released(matrix or _plain_matrix(dtype, device))
+    head_matrix = _released(head_matrix) if head_matrix else matrix
 
     def key(name: str) -> str:
         if name not in names:

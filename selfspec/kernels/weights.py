@@ -4,6 +4,7 @@ quantized copies (QuantizedWeight; csrc/quant.c for the layouts and chains)."""
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -180,6 +181,24 @@ def pack(w: torch.Tensor, pairs: bool | None = None, amx: bool = False) -> Packe
 
 
 CHUNK_BYTES = 8 << 20  # a part is read, cast and placed this many bytes of rows at a time (a multiple of 64 rows)
+
+
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc
+    except (OSError, AttributeError):
+        return None
+
+
+def release_freed() -> None:
+    """Give the heap's freed pages back to the OS (glibc's malloc_trim; elsewhere nothing).
+    A load allocates and frees chunks of rows between its long-lived weights, and glibc keeps
+    the freed ones resident once its mmap threshold has grown past their size: without this the
+    loader's peak on a 600 MB fp32 model wandered 1.05-1.16x the weights between runs."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def chunk_rows(row_bytes: int) -> int:
