@@ -87,7 +87,7 @@ def _costs(reps: int) -> dict:
     out["logprobs_top5_greedy_ms"] = _median_ms(lambda: token_logprob(row, 5, greedy, 5), reps)
     out["logprobs_top5_temperature_ms"] = _median_ms(lambda: token_logprob(row, 5, warm, 5), reps)
     out["logprobs_top5_top_p_ms"] = _median_ms(lambda: token_logprob(row, 5, nucleus, 5), reps)
-    # in a generation the truncated distribution is acceptance's (ProcessedRows.row_dist): built once a row
+    # in a generation the truncated distribution is acceptance's (ProcessedRows.dists): built once a row
     built = distribution(row, drawn_from(nucleus))
     out["logprobs_top5_top_p_shared_ms"] = _median_ms(lambda: token_logprob(row, 5, nucleus, 5, built), reps)
     out["logprobs_top0_greedy_ms"] = _median_ms(lambda: token_logprob(row, 5, greedy, 0), reps)

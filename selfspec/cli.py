@@ -32,7 +32,7 @@ from selfspec.cli_args import (
     grammar_from_args,
     load_model,
 )
-from selfspec.config import GenerationConfig, SamplingConfig
+from selfspec.config import PROCESSOR_FIELDS, GenerationConfig, SamplingConfig
 from selfspec.errors import SelfSpecError
 from selfspec import hub
 from selfspec.loading import ALIASES, DEFAULT_MODEL, available_memory
@@ -84,12 +84,7 @@ def cmd_generate(args) -> int:
         top_p=sampling.top_p,
         seed=sampling.seed,
         coupling=sampling.coupling,
-        presence_penalty=sampling.presence_penalty,
-        frequency_penalty=sampling.frequency_penalty,
-        repetition_penalty=sampling.repetition_penalty,
-        min_p=sampling.min_p,
-        logit_bias=sampling.logit_bias,
-        grammar=sampling.grammar,
+        **{f: getattr(sampling, f) for f in PROCESSOR_FIELDS},
         draft=draft,
         on_event=on_event,
     )

@@ -13,8 +13,7 @@ from dataclasses import MISSING, fields
 
 from selfspec.chat_templates import names, resolve
 from selfspec.config import COUPLINGS, REQUIRED, STRATEGIES, DraftConfig, Grammar
-from selfspec.errors import SelfSpecError
-from selfspec.errors import unknown_choice
+from selfspec.errors import SelfSpecError, unknown_choice
 from selfspec.grammar import compile_grammar
 from selfspec.loading import peek_shape
 from selfspec.model import load, merge_profile_draft

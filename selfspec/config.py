@@ -79,6 +79,10 @@ class Grammar:
             raise ConfigTypeError(f"{name} must be {{'kind': ..., 'source': ...}}, got {value!r}", name) from None
 
 
+# SamplingConfig's logits processors (processors.py), given by name to generate() and the CLI
+PROCESSOR_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "grammar")
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """temperature 0 means greedy; top_k / top_p apply to both draft and target; coupling: how

@@ -170,10 +170,12 @@ def gumbel_token(logits: torch.Tensor, cfg: SamplingConfig, key: int, pos: int, 
 
 class GumbelPicks(Sequence):
     """The Gumbel-max tokens of the rows of logits [R, V] under cfg, row i's with the noise of
-    (key, pos + i), each made on first use (coupled acceptance stops at the first mismatch)."""
+    (key, pos + i), each made on first use (coupled acceptance stops at the first mismatch).
+    dists: the rows' distributions when they are kept for other uses (processors.ProcessedRows.
+    dists: the logprobs read them); a truncated row's pick is made over it then."""
 
-    def __init__(self, logits: torch.Tensor, cfg: SamplingConfig, key: int, pos: int):
-        self.logits, self.cfg, self.key, self.pos = logits, cfg, key, pos
+    def __init__(self, logits: torch.Tensor, cfg: SamplingConfig, key: int, pos: int, dists: Sequence[Dist] | None = None):
+        self.logits, self.cfg, self.key, self.pos, self.dists = logits, cfg, key, pos, dists
         self._picks: dict[int, int] = {}
 
     def __len__(self):
@@ -181,8 +183,8 @@ class GumbelPicks(Sequence):
 
     def __getitem__(self, i):
         if i not in self._picks:
-            if hasattr(self.logits, "row_dist") and truncating(self.cfg, self.logits.shape[1]):  # processed rows keep their Dist
-                self._picks[i] = gumbel_max(self.logits.row_dist(i, self.cfg), self.key, self.pos + i)
+            if self.dists is not None and truncating(self.cfg, self.logits.shape[1]):  # = gumbel_token's own path
+                self._picks[i] = gumbel_max(self.dists[i], self.key, self.pos + i)
             else:
                 self._picks[i] = gumbel_token(self.logits[i], self.cfg, self.key, self.pos + i)
         return self._picks[i]

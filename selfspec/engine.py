@@ -233,9 +233,10 @@ def accept(step: Step, draft: Draft, logits) -> tuple[int, int]:
     -> (number accepted, next token)."""
     if step.sampling.greedy:
         return greedy_accept(draft.tokens, logits if step.proc is None else Argmaxes(logits))
+    dists = logits.dists(step.sampling) if step.proc is not None else None  # processed rows keep them (the logprobs read them)
     if step.key is not None:
-        return coupled_accept(draft.tokens, GumbelPicks(logits, step.sampling, step.key, step.pos + 1))
-    return speculative_accept(draft.tokens, draft.dists, Rows(logits, step.sampling), step.rng)
+        return coupled_accept(draft.tokens, GumbelPicks(logits, step.sampling, step.key, step.pos + 1, dists))
+    return speculative_accept(draft.tokens, draft.dists, dists if dists is not None else Rows(logits, step.sampling), step.rng)
 
 
 def free_draft(step: Step, speculative: bool, remaining: int) -> Draft | None:

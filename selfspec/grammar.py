@@ -148,7 +148,3 @@ class Matcher:
             if self.reachable:
                 chain += self.m.compute_ff_tokens()[: most - len(chain)]
         return chain, certain
-
-    @property
-    def done(self) -> bool:
-        return self.m.is_stopped()

@@ -22,7 +22,7 @@ from selfspec import chat_templates, kernels
 from selfspec.architectures import ModelSpec
 from selfspec.batch import BatchEngine, BatchRequest
 from selfspec.batch.planner import kept_costs
-from selfspec.config import STRATEGIES, DraftConfig, GenerationConfig, Grammar, SamplingConfig
+from selfspec.config import PROCESSOR_FIELDS, STRATEGIES, DraftConfig, GenerationConfig, Grammar, SamplingConfig
 from selfspec.drafters import Drafter, build
 from selfspec.drafters.factory import runs_here
 from selfspec.engine import GenerationResult, StreamEvent, generate
@@ -41,7 +41,6 @@ from selfspec.search.defaults import calibrated_options
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 _DRAFT_FIELDS = {f.name for f in fields(DraftConfig)}
-_PROCESSOR_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "grammar")
 _log = logging.getLogger("selfspec")
 
 
@@ -355,7 +354,7 @@ class SelfSpecModel:
         SamplingConfig fields, DraftConfig: given, or from strategy/profile/draft options)."""
         gen = GenerationConfig(max_new_tokens=max_new_tokens, stop=tuple(stop) if isinstance(stop, (list, tuple)) else (stop or ()),
                                chat=chat, stop_token_ids=tuple(stop_token_ids or ()), logprobs=logprobs)
-        extra = {k: options.pop(k) for k in list(options) if k in _PROCESSOR_FIELDS}
+        extra = {k: options.pop(k) for k in list(options) if k in PROCESSOR_FIELDS}
         if "json_schema" in options:
             schema = options.pop("json_schema")
             extra["grammar"] = Grammar("json_schema", schema if isinstance(schema, str) else json.dumps(schema))

@@ -33,7 +33,7 @@ import torch
 
 from selfspec.config import GenerationConfig, SamplingConfig
 from selfspec.logprobs import TokenLogprob, drawn_from, token_logprob
-from selfspec.sampling import Dist, SubVocab, distribution
+from selfspec.sampling import Rows, SubVocab
 
 
 class Processing:
@@ -76,7 +76,7 @@ class Processing:
         and the verifier's token); rows[i]: the processed logits token i was chosen from (logprobs)."""
         if self.top is not None and rows is not None:
             for i, t in enumerate(tokens):
-                d = rows.row_dist(i, drawn_from(self.sampling)) if isinstance(rows, ProcessedRows) else None
+                d = rows.dists(drawn_from(self.sampling))[i] if isinstance(rows, ProcessedRows) else None
                 self.logprobs.append(token_logprob(rows[i], t, self.sampling, self.top, d))
         if self.matcher is not None:
             self.matcher.commit(tokens)
@@ -151,20 +151,21 @@ class Processing:
 class ProcessedRows(Sequence):
     """Row j: Processing.row(logits[j], draft[:j]), made on first use (acceptance stops at the
     first rejection; rows are asked for in order). Quacks like the logits tensor where
-    sampling.Rows and GumbelPicks read one (`shape`, `[j]`), and keeps each row's distribution
-    (`row_dist`) for the logprobs of the tokens it accepts: a truncated one is built once a row."""
+    sampling.Rows and GumbelPicks read one (`shape`, `[j]`). `dists(cfg)`: the rows'
+    distributions under a sampling transform, made once, which acceptance and the logprobs of the
+    tokens it accepts share (a truncated one is a pass over the vocabulary)."""
 
     def __init__(self, proc: Processing, logits: torch.Tensor, draft: list[int]):
         self.proc, self.logits, self.draft = proc, logits, draft
         self.shape = logits.shape
         self._rows: dict[int, torch.Tensor] = {}
-        self._dists: dict[tuple, Dist] = {}
+        self._dists: dict[tuple, Rows] = {}
 
-    def row_dist(self, j: int, cfg: SamplingConfig) -> Dist:
-        """sampling.distribution of row j under cfg (made once per row and transform)."""
-        key = (j, cfg.temperature, cfg.top_k, cfg.top_p)
+    def dists(self, cfg: SamplingConfig) -> Rows:
+        """sampling.Rows of these rows under cfg's transform (one per transform: each row's made once)."""
+        key = (cfg.temperature, cfg.top_k, cfg.top_p)
         if key not in self._dists:
-            self._dists[key] = distribution(self[j], cfg)
+            self._dists[key] = Rows(self, cfg)
         return self._dists[key]
 
     def __len__(self):

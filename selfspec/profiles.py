@@ -243,7 +243,6 @@ def checkpoint_repo(name: str, spec) -> str | None:
     return None
 
 
-
 # ---- weights seen under a repo id -----------------------------------------------------------
 # A local copy of a Hub model (saved elsewhere, or moved out of the Hub cache) has no repo id to
 # go by; its weights' fingerprint does. Each model loaded by a repo id that has a built-in

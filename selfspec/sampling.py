@@ -398,8 +398,8 @@ class Rows(Sequence):
         return self.logits.shape[0]
 
     def __getitem__(self, i):
-        if i not in self._rows:  # processed rows keep theirs (processors.ProcessedRows.row_dist)
-            self._rows[i] = self.logits.row_dist(i, self.cfg) if hasattr(self.logits, "row_dist") else distribution(self.logits[i], self.cfg)
+        if i not in self._rows:
+            self._rows[i] = distribution(self.logits[i], self.cfg)
         return self._rows[i]
 
 

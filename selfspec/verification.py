@@ -28,7 +28,7 @@ import torch
 from selfspec.sampling import Dist, as_rows, residual_draw, uniforms
 
 
-def greedy_accept(draft: list[int], targets: list[int]) -> tuple[int, int]:
+def greedy_accept(draft: list[int], targets: Sequence[int]) -> tuple[int, int]:
     """draft: k token ids; targets: the verifier's k+1 argmax tokens (Runtime.argmax). ->
     (number accepted, next token)."""
     n = 0
@@ -41,11 +41,8 @@ def coupled_accept(draft: list[int], target_picks: Sequence[int]) -> tuple[int, 
     """Gumbel-max coupling: draft, k tokens each the argmax of the draft's log q + g; target_picks,
     the k+1 target tokens argmax of log p + g (coupling.GumbelPicks: made on first use). ->
     (number accepted, next token): the longest prefix where the draft is the target's token,
-    then the target's token."""
-    n = 0
-    while n < len(draft) and draft[n] == target_picks[n]:
-        n += 1
-    return n, target_picks[n]
+    then the target's token: greedy_accept's rule, over the target's Gumbel-max picks."""
+    return greedy_accept(draft, target_picks)
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

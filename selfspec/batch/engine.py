@@ -403,12 +403,11 @@ class BatchEngine:
         rows = processed(step, d, logits)
         n, nxt = accept(step, d, rows)
         a = s.auto
-        if d.free:  # no drafter made it
-            pass
-        elif a is not None and not (s.req.sampling.greedy and self.plan_drafts):
-            a.accepted(step, d, n)  # auto's own bookkeeping (and its base's)
-        elif not s.copying:  # the self-drafter hears of its own drafts only
-            s.actor.accepted(step, d, n)
+        if not d.free:  # a grammar's forced tokens: no drafter made them
+            if a is not None and not (s.req.sampling.greedy and self.plan_drafts):
+                a.accepted(step, d, n)  # auto's own bookkeeping (and its base's)
+            elif not s.copying:  # the self-drafter hears of its own drafts only
+                s.actor.accepted(step, d, n)
         commit(step, d.tokens[:n] + [nxt], rows)
         s.commit(n, nxt)
 
