@@ -1,9 +1,13 @@
-"""Shared bits for the benchmark scripts: prompts, the machine's copy bandwidth, and the
-transformers reference loaded from the same converted checkpoint as selfspec."""
+"""Shared bits for the benchmark scripts: prompts, the machine's copy bandwidth, the
+transformers reference loaded from the same converted checkpoint as selfspec, and stopping a
+`selfspec serve` subprocess."""
 
 from __future__ import annotations
 
+import os
 import platform
+import signal
+import subprocess
 import time
 
 import torch
@@ -64,3 +68,16 @@ def hf_batch(hf, ids: list[list[int]], n_new: int) -> tuple[float, list[list[int
     dt = time.perf_counter() - t
     by_id = sorted(out.values(), key=lambda o: int(str(o.request_id).rsplit("_", 1)[-1]))
     return dt, [list(o.generated_tokens) for o in by_id]
+
+
+def stop_server(proc: subprocess.Popen) -> int | None:
+    """SIGTERM a `selfspec serve` started in its own session (start_new_session=True), then
+    SIGKILL its process group if it has not exited within 30 s: only what it started."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    return proc.returncode

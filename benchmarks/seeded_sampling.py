@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
 import socket
 import subprocess
 import sys
@@ -35,6 +33,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from common import stop_server  # benchmarks/common.py (scripts run from benchmarks/)
 
 HOST = "127.0.0.1"
 COUPLINGS = ("gumbel", "rejection")
@@ -216,12 +216,7 @@ def server(model, prompts, ident: dict, args) -> dict:
         out["fingerprints"] = sorted(fp for fp in fps if fp)
         return out
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        stop_server(proc)
         log.close()
 
 

@@ -37,7 +37,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -45,6 +44,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from common import stop_server  # benchmarks/common.py (scripts run from benchmarks/)
 
 HOST = "127.0.0.1"  # loopback only, by design
 PROMPTS = [
@@ -381,13 +382,7 @@ async def run(args) -> dict:
             report["server_acceptance_rate"] = next((float(ln.split()[-1]) for ln in metrics.splitlines()
                                                      if ln.startswith("selfspec_acceptance_rate ")), None)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        stop_server(proc)
         log.close()
     report["server_log"] = str(log_path)
     return report

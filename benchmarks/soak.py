@@ -28,7 +28,6 @@ import json
 import os
 import random
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,8 @@ from pathlib import Path
 import httpx
 import openai
 import psutil
+
+from common import stop_server  # benchmarks/common.py (scripts run from benchmarks/)
 
 HOST = "127.0.0.1"  # loopback only, by design
 KEY = "soak-key"
@@ -94,15 +95,9 @@ class Server:
         return psutil.Process(self.proc.pid).memory_info().rss / 2**20
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: only what it started
-                self.proc.wait(10)
+        rc = stop_server(self.proc)
         self._log.close()
-        return self.proc.returncode
+        return rc
 
 
 def references(model, max_tokens: int) -> dict:

@@ -52,6 +52,14 @@ def zoo() -> _TinyZoo:
 
 
 @pytest.fixture(scope="session")
+def draft_model_dir(tmp_path_factory):
+    """A second tiny model (2 layers, same vocabulary) saved as a HF directory."""
+    d = tmp_path_factory.mktemp("draft-model")
+    helpers.build_hf("llama", seed=5, num_layers=2).save_pretrained(d)
+    return str(d)
+
+
+@pytest.fixture(scope="session")
 def default_model():
     """The real Gemma 3 270M in float32 (converted from the GGUF package on first use)."""
     import selfspec

@@ -70,14 +70,6 @@ def _prompts():
 
 
 @pytest.fixture(scope="session")
-def draft_model_dir(tmp_path_factory):
-    """A second tiny model (2 layers, same vocabulary) saved as a HF directory."""
-    d = tmp_path_factory.mktemp("draft-model")
-    build_hf("llama", seed=5, num_layers=2).save_pretrained(d)
-    return str(d)
-
-
-@pytest.fixture(scope="session")
 def draft_runtime(draft_model_dir):
     return selfspec.load(draft_model_dir, dtype="float32").runtime
 

@@ -57,13 +57,6 @@ def _prompts():
 
 
 @pytest.fixture(scope="module")
-def draft_model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("seeded-draft-model")
-    build_hf("llama", seed=5, num_layers=2).save_pretrained(d)
-    return str(d)
-
-
-@pytest.fixture(scope="module")
 def adapter_path(tmp_path_factory) -> str:
     return random_adapter(tmp_path_factory.mktemp("seeded-adapter") / "adapter.safetensors", seed=1)
 

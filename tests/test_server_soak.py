@@ -25,7 +25,11 @@ def load_soak():
     spec = importlib.util.spec_from_file_location("selfspec_soak", BENCH)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
+    sys.path.insert(0, str(BENCH.parent))  # its `common` (benchmarks/common.py)
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(BENCH.parent))
     return mod
 
 
