@@ -17,7 +17,7 @@ import torch
 from selfspec import kernels
 
 from helpers import ar_generate
-from test_engine import N_NEW, STRATEGIES, _cfg, _prompts, _token_frequencies, draft_model_dir  # noqa: F401
+from test_engine import N_NEW, STRATEGIES, _cfg, _prompts, _token_frequencies
 from test_kernels import SHAPES, _operands, needs_pairs
 
 needs_amx = pytest.mark.skipif(not kernels.amx(), reason="no AMX-BF16 pair path here (or SELFSPEC_AMX=0)")
