@@ -97,7 +97,9 @@ class Matcher:
         self._masks: dict[tuple[int, ...], torch.Tensor] = {}
 
     def _sync(self, drafted) -> None:
-        """Consume exactly `drafted` on top of the committed tokens."""
+        """Consume the longest valid prefix of `drafted` on top of the committed tokens;
+        `reachable`: all of it was valid. The matcher only ever consumes valid tokens (an invalid
+        one would put it in an error state for good), so it always sits at a real state."""
         drafted = list(drafted)
         same = 0
         while same < min(len(drafted), len(self.drafted)) and drafted[same] == self.drafted[same]:
@@ -105,13 +107,13 @@ class Matcher:
         if same < len(self.drafted):
             self.m.rollback(len(self.drafted) - same)
             self.drafted = self.drafted[:same]
-            self.reachable = True
         if same < len(drafted):
-            n = self.m.validate_tokens(drafted[same:]) if self.reachable else 0  # an invalid token would be an error state for good
+            n = self.m.validate_tokens(drafted[same:])
             if n:
                 self.m.consume_tokens(drafted[same: same + n])
             self.drafted += drafted[same: same + n]
-            self.reachable = same + n == len(drafted)
+        # decided afresh at every sync: a state left unreachable by a longer query is reachable again
+        self.reachable = self.drafted == drafted
 
     def allowed(self, drafted=()) -> torch.Tensor:
         """bool [vocab]: the tokens allowed after the committed tokens and `drafted` (a state the

@@ -67,8 +67,8 @@ class Processing:
         s = self.sampling
         ids = sorted(t for t in self._counts if t < self.vocab_size)
         self._gen_ids = torch.tensor(ids, dtype=torch.long)
-        self._gen_minus = torch.tensor([s.presence_penalty + s.frequency_penalty * self._counts[t] for t in ids],
-                                       dtype=torch.float32)
+        self._gen_minus = torch.tensor([self._minus(self._counts[t]) for t in ids], dtype=torch.float32)
+        self._gen_index = {t: i for i, t in enumerate(ids)}
         self._seen_ids = torch.tensor(sorted(t for t in self._seen if t < self.vocab_size), dtype=torch.long)
 
     def commit(self, tokens: Sequence[int], rows: Sequence[torch.Tensor] | None = None) -> None:
@@ -105,13 +105,9 @@ class Processing:
             if new:
                 self._repeat(z, torch.tensor(new, dtype=torch.long), sub)
         if s.presence_penalty or s.frequency_penalty:
-            if len(self._gen_ids):
-                self._add(z, self._gen_ids, -self._gen_minus, sub)
-            if drafted:  # what the drafts add: frequency per occurrence, presence once for a token new to the text
-                c = Counter(drafted)
-                ids = sorted(c)
-                minus = [s.frequency_penalty * c[t] + (s.presence_penalty if t not in self._counts else 0.0) for t in ids]
-                self._add(z, torch.tensor(ids, dtype=torch.long), -torch.tensor(minus, dtype=torch.float32), sub)
+            ids, minus = self._penalties(drafted)
+            if len(ids):
+                self._add(z, ids, -minus, sub)
         if self.matcher is not None:
             allowed = self.matcher.allowed(drafted)  # bool [vocab]
             z.masked_fill_(~(allowed if sub is None else allowed[sub.ids]), float("-inf"))
@@ -119,6 +115,29 @@ class Processing:
             x = z / s.temperature
             z.masked_fill_(x < x.max() + math.log(s.min_p), float("-inf"))
         return z
+
+    def _minus(self, count: int) -> float:
+        """What presence and frequency subtract from a token generated `count` times (> 0): one
+        expression, so that every path computes the same float."""
+        return self.sampling.presence_penalty + self.sampling.frequency_penalty * count
+
+    def _penalties(self, drafted: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token ids, what each loses) after the committed tokens and `drafted`: the committed
+        state's tensors, with the drafted tokens' entries recounted. A token both committed and
+        drafted loses its total once, as on the autoregressive row that commits the drafts first
+        (two subtractions would round twice)."""
+        if not drafted:
+            return self._gen_ids, self._gen_minus
+        c = Counter(drafted)
+        minus = self._gen_minus.clone()
+        extra = sorted(t for t in c if t not in self._gen_index)
+        for t in c:
+            if t in self._gen_index:
+                minus[self._gen_index[t]] = self._minus(self._counts[t] + c[t])
+        if not extra:
+            return self._gen_ids, minus
+        ids = torch.cat([self._gen_ids, torch.tensor(extra, dtype=torch.long)])
+        return ids, torch.cat([minus, torch.tensor([self._minus(c[t]) for t in extra], dtype=torch.float32)])
 
     def _add(self, z: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, sub: SubVocab | None) -> None:
         """z[token] += value (ids: token ids below vocab_size)."""

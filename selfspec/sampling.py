@@ -298,6 +298,8 @@ def distribution(logits: torch.Tensor, cfg: SamplingConfig, vocab: SubVocab | No
     cap = CAP if cap is None else cap
     if not c_ready(logits):
         x = logits.float() / cfg.temperature
+        if not bool(x.max() > float("-inf")) or bool(x.max() == float("inf")):  # as the C pass: no silent token 0
+            raise SelfSpecError("sampling: the logits have no finite value, or +inf")
         x = x.masked_fill(~keep_mask(x, cfg.top_k, cfg.top_p), float("-inf"))
         p = x.double().softmax(-1).float()  # = probs_from_logits
         if vocab is not None:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from selfspec import loading
+from selfspec.config import Grammar
 
 from helpers import ar_generate
 
@@ -299,3 +300,18 @@ def test_garbled_safetensors_header_detected(cache_copy):
 
 def test_real_cache_untouched(default_model):
     assert loading._cache_is_complete(loading.default_model_dir())
+
+
+def test_a_grammar_outside_the_draft_vocabulary_is_lossless(default_model_bf16):
+    """Issue 51's report: Chinese characters under a regex, none of whose tokens the restricted
+    draft head (the most frequent tokens of code) holds. Every strategy, greedy and seeded,
+    gives autoregressive decoding's output under the grammar: five characters, then EOS."""
+    m = default_model_bf16
+    g = Grammar("regex", "[\u4e00-\u9fff]{5}")
+    prompt = "Write three Chinese characters:"
+    for samp in (dict(), dict(temperature=0.8, seed=3)):
+        ref = ar_generate(m, prompt, max_new_tokens=24, grammar=g, **samp)
+        assert len(ref.text) == 5 and ref.finish_reason == "eos", ref.text
+        for kw in (dict(strategy="auto"), dict(strategy="quantized"), dict(strategy="early-exit", exit_layer=12, draft_vocab=16384)):
+            out = m.generate(prompt, max_new_tokens=24, grammar=g, **kw, **samp)
+            assert out.token_ids == ref.token_ids, (kw, samp, out.text)

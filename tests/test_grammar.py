@@ -23,7 +23,7 @@ from selfspec.config import Grammar
 from selfspec.errors import SelfSpecError
 from selfspec.grammar import compile_grammar, grammar_matcher
 
-from helpers import ARCHS, ar_generate, build_hf
+from helpers import ARCHS, ar_generate, build_hf, random_adapter
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "kind", "owner"],
           "properties": {"name": {"type": "string", "maxLength": 6},
@@ -106,6 +106,77 @@ def test_seeded_sampling_under_a_grammar_is_autoregressive_sampling(tok):
             assert matches(kind, ref.text)
             for strat in STRATEGIES[:2]:
                 assert m.generate(prompt, **strat, **kw).token_ids == ref.token_ids, (kind, seed, strat)
+
+
+# Issue 51: every strategy x {greedy, seeded} x grammars that defeat drafting. "script": Greek
+# letters, whose byte tokens no restricted draft head (the 64 most frequent tokens) holds, so a
+# draft row under the mask has no support; "choice": an enum; "eos": the grammar ends after a
+# token or two, so EOS is forced early.
+MATRIX_GRAMMARS = {"script": Grammar("regex", "[αβγδεζ]{4}"), "json_schema": GRAMMARS["json_schema"],
+                   "choice": Grammar("json_schema", json.dumps({"enum": ["cat", "dog", "bird"]})),
+                   "eos": Grammar("regex", "ok")}
+
+
+@pytest.fixture(scope="module")
+def every_strategy(tok, tmp_path_factory):
+    d = tmp_path_factory.mktemp("grammar-drafts")
+    draft_dir = d / "draft-model"
+    build_hf("llama", seed=5, num_layers=2, vocab_size=len(tok)).save_pretrained(draft_dir)
+    restricted = dict(draft_vocab=64)
+    return (dict(strategy="early-exit", exit_layer=2, **restricted), dict(strategy="layer-skip", skip_mlp=(1, 2), **restricted),
+            dict(strategy="quantized", **restricted), dict(strategy="quantized", draft_bits=4, exit_layer=3),
+            dict(strategy="exit-adapter", adapter=random_adapter(d / "adapter.pt"), **restricted),
+            dict(strategy="draft-model", draft_model=str(draft_dir), **restricted), dict(strategy="prompt-lookup"),
+            dict(strategy="early-exit", exit_layer=2, lookup_first=True), dict(strategy="auto", **restricted))
+
+
+@pytest.mark.parametrize("mode", ("greedy", "seeded"))
+def test_every_strategy_under_grammars_that_defeat_drafting_is_autoregressive(tok, every_strategy, mode):
+    m = model_of("llama", tok)
+    for kind, g in MATRIX_GRAMMARS.items():
+        for prompt in (tok("the cat").input_ids, tok("{").input_ids):
+            for seed in ((None,) if mode == "greedy" else (0, 1, 2)):
+                kw = dict(max_new_tokens=48, grammar=g) | (dict(temperature=1.0, seed=seed) if seed is not None else {})
+                ref = ar_generate(m, prompt, **kw)
+                assert ref.finish_reason == "eos", (kind, ref.text)  # every grammar here ends
+                if kind == "script":
+                    assert re.fullmatch("[αβγδεζ]{4}", ref.text), ref.text
+                for strat in every_strategy:
+                    out = m.generate(prompt, **strat, **kw)
+                    assert out.token_ids == ref.token_ids, (mode, kind, strat, seed)
+                batch = m.generate_batch([prompt, tok("the dog").input_ids], **every_strategy[0], **kw)
+                assert batch[0].token_ids == ref.token_ids, (mode, kind, "batch", seed)
+
+
+def test_a_restricted_draft_head_with_no_allowed_token_drafts_nothing(tok):
+    """Under a grammar whose next tokens are all outside the draft vocabulary, the drafter stops
+    (no forbidden token is drafted, no sampling error): only the final EOS, which the draft head
+    holds, may be drafted, and it is accepted."""
+    m = model_of("llama", tok)
+    prompt = tok("the cat").input_ids
+    for samp in (dict(), dict(temperature=0.8, seed=1), dict(temperature=0.8, seed=1, coupling="rejection")):
+        out = m.generate(prompt, max_new_tokens=24, grammar=MATRIX_GRAMMARS["script"], strategy="early-exit", exit_layer=2,
+                         draft_vocab=64, **samp)
+        assert re.fullmatch("[αβγδεζ]{4}", out.text), (samp, out.text)
+        assert out.stats.drafted <= 1 and out.stats.accepted == out.stats.drafted, samp
+
+
+def test_a_matcher_state_left_unreachable_is_reachable_again(tok):
+    """A query past an invalid draft leaves the matcher at the valid prefix; the prefix itself,
+    asked for next (a verify row after a draft row: the mask cache does not hold it yet), is a
+    real state again, not the unreachable end-of-sequence mask."""
+    m = model_of("llama", tok)
+    g = GRAMMARS["regex"]
+    text = ar_generate(m, tok("the cat").input_ids, max_new_tokens=40, grammar=g).token_ids[:-1]
+    fresh = grammar_matcher(m, g)
+    want = fresh.allowed(text[:2]).clone()
+    a = grammar_matcher(m, g)
+    bad = next(t for t in range(len(tok)) if not bool(want[t]))
+    a.allowed(text[:2] + [bad])  # consumes text[:2], then stops at the invalid token
+    assert not a.reachable
+    got = a.allowed(text[:2])
+    assert torch.equal(got, want) and a.reachable
+    assert not torch.equal(got, a.eos)
 
 
 def test_rollback_leaves_the_matcher_where_autoregressive_decoding_would(tok):

@@ -87,6 +87,50 @@ def test_processors_match_their_references():
     assert torch.equal(proc.row(z[sub.ids], sub=sub), proc.row(z)[sub.ids])
 
 
+def test_penalty_rows_are_bit_identical_over_overlapping_drafts():
+    """A verify row after drafts that repeat committed tokens equals, bit for bit, the
+    autoregressive row after committing those drafts: a token both committed and drafted loses
+    its penalty in one subtraction on both paths (two would round twice: an ulp apart in about
+    a third of such cases)."""
+    g = torch.Generator().manual_seed(1)
+    Vb, trials, overlapped = 40, 300, 0
+    for i in range(trials):
+        s = SamplingConfig(presence_penalty=float(torch.rand(1, generator=g)) * 2 - 0.5,
+                           frequency_penalty=float(torch.rand(1, generator=g)) * 1.7 + 0.01,
+                           repetition_penalty=(1.0, 1.3)[i % 2], logit_bias={3: 0.7} if i % 3 == 0 else None)
+        committed = torch.randint(0, 8, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+        draft = torch.randint(0, 8, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist()
+        overlapped += bool(set(committed) & set(draft))
+        z = torch.randn(len(draft) + 1, Vb, generator=g) * 5
+        spec = Processing(s, GenerationConfig(), [1, 2], Vb)
+        spec.commit(committed)
+        rows = spec.rows(z, draft)
+        sub = SubVocab(torch.arange(0, Vb, 2), Vb)
+        for j in range(len(draft) + 1):
+            ar = Processing(s, GenerationConfig(), [1, 2], Vb)
+            ar.commit(committed)
+            for t in draft[:j]:  # autoregressive decoding commits one token a step
+                ar.commit([t])
+            assert torch.equal(rows[j], ar.row(z[j])), (i, j, committed, draft)
+            assert torch.equal(spec.row(z[j][sub.ids], draft[:j], sub), ar.row(z[j][sub.ids], sub=sub)), (i, j)
+    assert overlapped > trials // 2  # the drafts do repeat committed tokens
+
+
+def test_penalised_logprobs_are_identical_on_every_strategy(zoo):
+    """End to end: with penalties, every strategy's verify rows are the autoregressive rows, bit
+    for bit (the runtime's rows are row invariant; the penalties now are too), so the recorded
+    logprobs are equal, not close."""
+    _, m = zoo.get("llama")
+    opts = dict(presence_penalty=0.3, frequency_penalty=0.45, max_new_tokens=24, logprobs=2)
+    for prompt in prompts(n=2):
+        ref = ar_generate(m, prompt, **opts)
+        assert len(set(ref.token_ids)) < len(ref.token_ids)  # tokens repeat: drafts overlap committed ones
+        for strat in STRATEGIES + (dict(strategy="quantized"),):
+            out = m.generate(prompt, **strat, **opts)
+            assert out.token_ids == ref.token_ids, strat
+            assert [e.logprob for e in out.logprobs] == [e.logprob for e in ref.logprobs], strat
+
+
 # ---- greedy: speculative == autoregressive -----------------------------------------------
 
 

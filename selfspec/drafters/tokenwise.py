@@ -75,6 +75,8 @@ class TokenDrafter(Drafter):
         confidence is below the threshold. -> whether to keep drafting."""
         if step.drafts_processed:  # the processors at this draft's position (the drafts before it count)
             logits = step.proc.row(logits, draft.tokens, self.sub)
+            if step.proc.matcher is not None and logits.max() == float("-inf"):
+                return False  # the grammar allows no token of this draft head (a restricted vocabulary): draft nothing more
         if step.sampling.greedy:
             idx = int(logits.argmax())
             if self.threshold is not None and float(logits.softmax(-1)[idx]) < self.threshold.gamma:
