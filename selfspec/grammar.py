@@ -32,6 +32,7 @@ import torch
 
 from selfspec.config import Grammar
 from selfspec.errors import SelfSpecError
+from selfspec.json_schema import closed
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> LLTokenizer
@@ -40,7 +41,8 @@ _lock = threading.Lock()
 
 @lru_cache(maxsize=64)
 def compile_grammar(g: Grammar) -> str:
-    """The llguidance grammar of g (its own JSON form); SelfSpecError when g is malformed."""
+    """The llguidance grammar of g (its own JSON form); SelfSpecError when g is malformed. A JSON
+    schema is closed first: no properties or items it does not name (json_schema.py)."""
     if g.kind in ("json_object", "json_schema"):
         try:
             schema = json.loads(g.source) if g.kind == "json_schema" else {"type": "object"}
@@ -49,7 +51,7 @@ def compile_grammar(g: Grammar) -> str:
         if not isinstance(schema, dict):
             raise SelfSpecError("the JSON schema must be a JSON object")
         try:
-            text = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+            text = llguidance.LLMatcher.grammar_from_json_schema(closed(schema), overrides=JSON_OPTIONS)
         except ValueError as e:
             raise SelfSpecError(f"the JSON schema is not usable: {e}") from None
     elif g.kind == "regex":

@@ -12,10 +12,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from huggingface_hub import constants, hf_hub_download, snapshot_download, try_to_load_from_cache
+from huggingface_hub import HfApi, constants, hf_hub_download, snapshot_download, try_to_load_from_cache
 from huggingface_hub import _snapshot_download as _snapshot
 from huggingface_hub import errors as E
 
@@ -67,16 +69,20 @@ def cache_dir() -> str:
     return constants.HF_HUB_CACHE
 
 
-def resolve(ref: HubRef, allow_pickle: bool = False) -> Path:
+def resolve(ref: HubRef, allow_pickle: bool = False, before_weights: Callable[[Path], None] | None = None) -> Path:
     """A local path for ref: the snapshot directory (downloading what is missing), or the
     .gguf file. Every failure is a SelfSpecError of one line.
 
     A model repo is fetched in two rounds: its small files (config, tokenizer, the weights'
     index), then exactly the weight files the index names (else `model.safetensors`), as
     transformers does: repos that also carry another copy of the weights (Mistral's
-    `consolidated.safetensors`, original/ checkpoints) are not downloaded twice."""
-    def fetch(patterns: list[str]) -> Path:
-        return Path(snapshot_download(ref.repo_id, revision=ref.revision, cache_dir=cache_dir(),
+    `consolidated.safetensors`, original/ checkpoints) are not downloaded twice. Between the
+    rounds, before_weights(snapshot) may refuse the model from its config (it cannot fit in
+    memory), and a model whose weights cannot fit on the cache's disk is refused; the weights
+    come from the commit the first round resolved the revision to, so a push in between cannot
+    mix two revisions."""
+    def fetch(patterns: list[str], revision: str | None) -> Path:
+        return Path(snapshot_download(ref.repo_id, revision=revision, cache_dir=cache_dir(),
                                       allow_patterns=patterns, local_files_only=_offline()))
 
     try:
@@ -84,16 +90,74 @@ def resolve(ref: HubRef, allow_pickle: bool = False) -> Path:
             return Path(hf_hub_download(ref.repo_id, ref.filename, revision=ref.revision, cache_dir=cache_dir(),
                                         local_files_only=_offline()))
         small = CONFIG_FILES + TOKENIZER_FILES + [SAFETENSORS_INDEX, PICKLE_INDEX]
-        path = fetch(small)
-        path = fetch(small + _listed(path / SAFETENSORS_INDEX, "model.safetensors"))
+        path = fetch(small, ref.revision)
+        commit = path.name  # a snapshot's folder is named by its commit
+        if not (path / "config.json").exists():
+            check_snapshot(path, ref, allow_pickle)  # not a model repo: says so before any weights download
+        if before_weights is not None:
+            before_weights(path)
+        weights = _listed(path / SAFETENSORS_INDEX, "model.safetensors")
+        check_disk(ref, commit, path, SAFETENSORS_INDEX, weights)
+        path = fetch(small + weights, commit)
         if not _weights_in(path) and allow_pickle:
-            path = fetch(small + _listed(path / PICKLE_INDEX, "pytorch_model.bin"))
+            weights = _listed(path / PICKLE_INDEX, "pytorch_model.bin")
+            check_disk(ref, commit, path, PICKLE_INDEX, weights)
+            path = fetch(small + weights, commit)
     except SelfSpecError:
         raise
     except Exception as e:
         raise SelfSpecError(explain(e, ref)) from None
     check_snapshot(path, ref, allow_pickle)
     return path
+
+
+# ---- will the weights fit on disk? ------------------------------------------------------------
+
+
+def check_disk(ref: HubRef, commit: str, path: Path, index_name: str, files: list[str]) -> None:
+    """One line when the weight files still to download cannot fit on the cache's disk."""
+    need = download_bytes(ref, commit, path, index_name, files)
+    free = free_disk(Path(cache_dir()))
+    if need and free is not None and need > free:
+        raise SelfSpecError(f"{ref} needs {need / 1e9:.1f} GB of disk to download its weights; {free / 1e9:.1f} GB free "
+                            f"in {cache_dir()}: it cannot fit (free some space, or set HF_HUB_CACHE elsewhere)")
+
+
+def download_bytes(ref: HubRef, commit: str, path: Path, index_name: str, files: list[str]) -> int | None:
+    """Bytes of the files not yet in the snapshot: the index's metadata.total_size when none
+    is, else their sizes from the Hub's file metadata at commit; 0 offline (nothing will
+    download), None when unknown."""
+    missing = [f for f in files if not (path / f).exists()]
+    if not missing or _offline():
+        return 0
+    if len(missing) == len(files):
+        try:
+            return int(json.loads((path / index_name).read_text())["metadata"]["total_size"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # no index, or one without the total: ask the Hub
+    sizes = remote_sizes(ref, commit, missing)
+    return None if sizes is None else sum(sizes.values())
+
+
+def remote_sizes(ref: HubRef, commit: str, files: list[str]) -> dict[str, int] | None:
+    """{file: bytes} from the Hub's file metadata at commit (files it lacks are left out);
+    None when the Hub cannot say (the download then reports what is wrong)."""
+    try:
+        infos = HfApi().get_paths_info(ref.repo_id, files, revision=commit)
+    except Exception:
+        return None
+    return {i.path: int(i.size) for i in infos if getattr(i, "size", None) is not None}
+
+
+def free_disk(where: Path) -> int | None:
+    """Bytes free on the file system that holds `where` (or its nearest existing parent)."""
+    for d in (where, *where.parents):
+        if d.exists():
+            try:
+                return shutil.disk_usage(d).free
+            except OSError:
+                return None
+    return None
 
 
 def _listed(index: Path, single: str) -> list[str]:

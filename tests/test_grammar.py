@@ -15,6 +15,8 @@ import json
 import re
 
 import jsonschema
+import llguidance
+import llguidance.hf
 import pytest
 import torch
 
@@ -22,6 +24,7 @@ import selfspec
 from selfspec.config import Grammar
 from selfspec.errors import SelfSpecError
 from selfspec.grammar import compile_grammar, grammar_matcher
+from selfspec.json_schema import closed
 
 from helpers import ARCHS, ar_generate, build_hf, random_adapter
 
@@ -226,3 +229,60 @@ def test_bad_grammars_are_one_line_errors(tok):
         assert "\n" not in str(e.value)
     with pytest.raises(SelfSpecError):
         Grammar("yaml", "x")
+
+
+# ---- JSON schemas are closed by default (json_schema.py) ---------------------------------------------
+
+PERSON = {"type": "object", "required": ["name", "age", "color"],
+          "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0, "maximum": 99},
+                         "color": {"enum": ["red", "blue"]}}}
+NAMED = '{"name": "Bo", "age": 10, "color": "red"'
+
+
+def takes(tok, schema, text: str, whole: bool = True) -> bool:
+    """Whether the grammar compiled from schema takes text (whole: and may end there)."""
+    ll = llguidance.hf.from_tokenizer(tok)
+    m = llguidance.LLMatcher(ll, compile_grammar(Grammar("json_schema", json.dumps(schema))))
+    ids = ll.tokenize_str(text)
+    if m.validate_tokens(ids) < len(ids):
+        return False
+    m.consume_tokens(ids)
+    return m.is_accepting() or not whole
+
+
+def test_a_schema_that_names_its_properties_gets_no_others(tok):
+    assert takes(tok, PERSON, NAMED + "}")
+    assert not takes(tok, PERSON, NAMED + ', "gender"', whole=False)  # was: key after key until max_tokens
+    assert takes(tok, PERSON, '{"name": "Bo", "color": "red"}') is False  # required ones stay required
+    assert takes(tok, dict(PERSON, additionalProperties=True), NAMED + ', "gender": "x"}')
+    assert takes(tok, dict(PERSON, additionalProperties={"type": "integer"}), NAMED + ', "n": 1}')
+    assert not takes(tok, dict(PERSON, additionalProperties={"type": "integer"}), NAMED + ', "n": "x"', whole=False)
+    assert takes(tok, {"type": "object"}, '{"anything": [1, 2]}')  # no properties named: any object
+
+
+def test_closed_reaches_every_subschema(tok):
+    extra = ', "x": 1'
+    nested = {"type": "object", "required": ["p"], "properties": {"p": PERSON}}
+    assert takes(tok, nested, '{"p": ' + NAMED + "}}") and not takes(tok, nested, '{"p": ' + NAMED + extra, whole=False)
+    by_ref = {"$defs": {"P": PERSON}, "type": "array", "items": {"$ref": "#/$defs/P"}}
+    assert takes(tok, by_ref, "[" + NAMED + "}]") and not takes(tok, by_ref, "[" + NAMED + extra, whole=False)
+    either = {"anyOf": [PERSON, {"type": "string"}]}
+    assert takes(tok, either, NAMED + "}") and not takes(tok, either, NAMED + extra, whole=False)
+    # allOf branches are intersected: each names the other's keys, so the union is what is closed
+    a = {"properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    b = {"properties": {"b": {"type": "integer"}}, "required": ["b"]}
+    assert takes(tok, {"allOf": [a, b]}, '{"a": 1, "b": 2}')
+    assert not takes(tok, {"allOf": [a, b]}, '{"a": 1, "b": 2' + extra, whole=False)
+    # tuples: no items past those named, unless items says what they are
+    pair = {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "integer"}]}
+    assert takes(tok, pair, "[1, 2]") and not takes(tok, pair, "[1, 2, 3", whole=False)
+    assert takes(tok, dict(pair, items={"type": "integer"}), "[1, 2, 3]")
+    schema = {"allOf": [a, b], "$defs": {"P": PERSON}}
+    assert closed(schema) != schema and "additionalProperties" not in PERSON  # a copy: the caller's schema is kept
+
+
+def test_a_generation_under_an_open_schema_stops_after_the_named_keys(tok):
+    m = model_of("llama", tok)
+    out = m.generate(tok("the cat").input_ids, max_new_tokens=120, grammar=Grammar("json_schema", json.dumps(PERSON)),
+                     strategy="autoregressive")
+    assert out.finish_reason == "eos" and list(json.loads(out.text)) == ["name", "age", "color"], out.text

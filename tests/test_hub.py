@@ -9,6 +9,7 @@ checkpoint of ~300 MB.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -16,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import weakref
 from pathlib import Path
 
 import pytest
@@ -332,3 +334,128 @@ def test_only_the_weights_the_index_names_are_fetched(hub_cache, tmp_path, monke
     assert hub.resolve(hub.HubRef("test-org/two-copies")) == snap
     weights = [p for p in asked[-1] if p.endswith(".safetensors")]
     assert weights == shards and not any("*" in p for p in asked[-1])
+
+
+# ---- before the weights download: fit, one commit ---------------------------------------------------
+
+
+def recording_download(monkeypatch, after_first=lambda: None) -> list:
+    """huggingface_hub's download, each call's (revision, allow_patterns) kept; after_first runs
+    between the first round and the next."""
+    asked, real = [], hub.snapshot_download
+
+    def download(repo_id, **kw):
+        asked.append((kw["revision"], kw["allow_patterns"]))
+        path = real(repo_id, **kw)
+        if len(asked) == 1:
+            after_first()
+        return path
+
+    monkeypatch.setattr(hub, "snapshot_download", download)
+    return asked
+
+
+def test_a_hub_model_that_cannot_fit_is_refused_before_its_weights_download(hub_cache, tmp_path, monkeypatch, capsys):
+    src, _ = tiny_dir(tmp_path, 0)
+    lay_out(hub_cache, "test-org/tiny", COMMIT_A, src)
+    asked = recording_download(monkeypatch)
+    monkeypatch.setattr(loading, "available_memory", lambda device="cpu": 1000)
+    with pytest.raises(SelfSpecError, match=r"test-org/tiny in float32 needs [\d.]+ GB for its weights; [\d.]+ GB of memory available"):
+        selfspec.load("test-org/tiny", dtype="float32")
+    assert len(asked) == 1 and not any(p.endswith((".safetensors", ".bin")) for p in asked[0][1])  # config, index, tokenizer
+    capsys.readouterr()
+    assert cli.main(["generate", "--model", "test-org/tiny", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "it cannot fit" in err
+
+
+def _online_without_weights(hub_cache, tmp_path, monkeypatch, index: bool) -> tuple[Path, list[str], int]:
+    """A sharded model whose small files only are in the cache, the Hub 'online' behind a stand-in
+    that serves the first round and fails the test if weights are asked for. -> (snapshot, shards, total_size)"""
+    d = tmp_path / "sharded"
+    total = helpers.write_llama_checkpoint(d, hidden=64, intermediate=96, layers=2, heads=4, kv_heads=2, vocab=96, tied=False,
+                                           shard_bytes=40_000)
+    shards = sorted(p.name for p in d.glob("*.safetensors"))
+    if not index:
+        doc = json.loads((d / hub.SAFETENSORS_INDEX).read_text())
+        (d / hub.SAFETENSORS_INDEX).write_text(json.dumps({"weight_map": doc["weight_map"]}))
+    snap = lay_out(hub_cache, "test-org/sharded", COMMIT_A, d, skip=shards)
+
+    def download(repo_id, **kw):
+        assert not any(p.endswith(".safetensors") for p in kw["allow_patterns"]), "downloaded weights"
+        return str(snap)
+
+    monkeypatch.setattr(hub, "snapshot_download", download)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    return snap, shards, total
+
+
+def test_weights_that_cannot_fit_on_disk_are_not_downloaded(hub_cache, tmp_path, monkeypatch):
+    snap, shards, total = _online_without_weights(hub_cache, tmp_path, monkeypatch, index=True)
+    monkeypatch.setattr(hub, "remote_sizes", lambda *a: pytest.fail("asked the Hub: the index's total_size says it"))
+    ref = hub.HubRef("test-org/sharded")
+    assert hub.download_bytes(ref, COMMIT_A, snap, hub.SAFETENSORS_INDEX, shards) == total
+    monkeypatch.setattr(hub, "free_disk", lambda where: total - 1)
+    with pytest.raises(SelfSpecError, match=r"test-org/sharded needs [\d.]+ GB of disk to download its weights; [\d.]+ GB free in "):
+        selfspec.load("test-org/sharded")
+
+
+def test_without_a_total_size_the_hub_gives_the_shards_sizes_at_the_commit(hub_cache, tmp_path, monkeypatch):
+    snap, shards, _ = _online_without_weights(hub_cache, tmp_path, monkeypatch, index=False)
+    asked = []
+
+    def sizes(ref, commit, files):
+        asked.append((commit, files))
+        return dict.fromkeys(files, 10**12)
+
+    monkeypatch.setattr(hub, "remote_sizes", sizes)
+    monkeypatch.setattr(hub, "free_disk", lambda where: 10**12)
+    with pytest.raises(SelfSpecError, match=rf"needs {len(shards) * 1000:.1f} GB of disk to download its weights; 1000.0 GB free"):
+        selfspec.load("test-org/sharded")
+    assert asked == [(COMMIT_A, shards)]
+
+
+def test_the_weights_come_from_the_commit_the_first_round_resolved(hub_cache, tmp_path, monkeypatch):
+    src_a, hf_a = tiny_dir(tmp_path, 0)
+    src_b, _ = tiny_dir(tmp_path, 1)
+    snap_a = lay_out(hub_cache, "test-org/tiny", COMMIT_A, src_a)
+    lay_out(hub_cache, "test-org/tiny", COMMIT_B, src_b, refs=())
+
+    def push():  # main moves to another commit between the two rounds
+        (hub_cache / "models--test-org--tiny" / "refs" / "main").write_text(COMMIT_B)
+
+    asked = recording_download(monkeypatch, after_first=push)
+    assert hub.resolve(hub.HubRef("test-org/tiny")) == snap_a
+    assert [rev for rev, _ in asked] == [None, COMMIT_A]
+
+
+def test_pickled_shards_are_loaded_one_at_a_time(tmp_path, monkeypatch):
+    src, hf = tiny_dir(tmp_path, 0)
+    d = tmp_path / "pkl-sharded"
+    d.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, d / f.name)
+    sd = hf.state_dict()
+    names = list(sd)
+    cut = [0, len(names) // 3, 2 * len(names) // 3, len(names)]
+    weight_map = {}
+    for s in range(3):
+        fname = f"pytorch_model-{s + 1:05d}-of-00003.bin"
+        torch.save({n: sd[n].clone() for n in names[cut[s]:cut[s + 1]]}, d / fname)
+        weight_map.update(dict.fromkeys(names[cut[s]:cut[s + 1]], fname))
+    (d / hub.PICKLE_INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    live, held, real = weakref.WeakSet(), [], torch.load
+
+    def load(*a, **k):  # how many tensors of the shards loaded before are still held
+        gc.collect()
+        held.append(len(live))
+        shard = real(*a, **k)
+        live.update(shard.values())
+        return shard
+
+    monkeypatch.setattr(torch, "load", load)
+    m = selfspec.load(str(d), allow_pickle=True)
+    monkeypatch.undo()
+    assert m.fingerprint == selfspec.load(hf).fingerprint
+    assert len(held) >= 3 and max(held) <= 2, held  # at most the parts of the matrix being laid out
