@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 
+from selfspec.extras import pyplot
 from selfspec.profiles import atomic_write_bytes
 from selfspec.search.study import trial_rows
 
@@ -16,10 +17,7 @@ def plot_history(study, path: str | os.PathLike, title: str = "", objective: str
     """Optimisation history: every trial's objective (labelled as predicted or measured) and
     the best so far; with `confirmed` (the winner's metrics after measurement) the winner's
     measured speedup beside its trial's value, so a prediction that did not hold shows."""
-    import matplotlib  # optional: plotting paths only
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # after matplotlib.use("Agg")
+    plt = pyplot()
 
     rows = sorted(trial_rows(study), key=lambda r: r["number"])
     if not rows:

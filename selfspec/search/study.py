@@ -15,16 +15,15 @@ import torch
 
 from selfspec.config import DraftConfig
 from selfspec.errors import SelfSpecError
+from selfspec.extras import require
 from selfspec.predictor.costs import CostModel
 from selfspec.search.objective import Calibration, measure, predict
 from selfspec.search.space import SearchConfig, seed_trials, suggest
 
 
 def _optuna():
-    try:  # optional at import time: only a search needs it
-        import optuna
-    except ImportError as e:  # a dependency, but say so clearly if it is missing
-        raise SelfSpecError("selfspec search needs optuna: pip install optuna") from e
+    require("selfspec search", "optuna")
+    import optuna  # the search extra, slow to import: only a search needs it
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     return optuna
 

@@ -17,6 +17,7 @@ from selfspec.batch.engine import default_prefill_chunk
 from selfspec.cli_args import add_chat_template_arg, add_draft_args, add_model_args, check_before_loading, choice, draft_config_from_args, load_model
 from selfspec.config import COUPLINGS, MAX_SPECULATIONS, STRATEGIES, SamplingConfig
 from selfspec.errors import SelfSpecError
+from selfspec.extras import missing, require
 from selfspec.server.ray_deploy import serve_with_ray
 from selfspec.server.settings import PROMPT_TOKENS_PER_CORE, ServerSettings, default_max_batch
 from selfspec.server.worker import warmup
@@ -102,19 +103,9 @@ def settings_from_args(args) -> ServerSettings:
 
 
 def _check_deps(ray: bool) -> None:
-    missing = []
-    for mod, pkg in (("fastapi", "fastapi"), ("uvicorn", "uvicorn"), ("prometheus_client", "prometheus-client")):
-        try:
-            __import__(mod)
-        except ImportError:
-            missing.append(pkg)
-    if ray:
-        try:
-            __import__("ray.serve")
-        except ImportError:
-            missing.append('"ray[serve]"')
-    if missing:
-        raise SelfSpecError(f"selfspec serve needs {', '.join(missing)}: pip install {' '.join(missing)}")
+    require("selfspec serve", "fastapi", "uvicorn", "prometheus_client")
+    if ray and missing("ray.serve"):
+        raise SelfSpecError("selfspec serve --ray needs ray[serve]: pip install 'selfspec[ray]'")
 
 
 def cmd_serve(args) -> int:

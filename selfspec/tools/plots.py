@@ -9,18 +9,13 @@ from pathlib import Path
 
 import numpy as np
 
+from selfspec.extras import pyplot
 from selfspec.profiles import atomic_write_bytes
 from selfspec.tools.tables import cell, machine_label
 
 
 def _plt():
-    # matplotlib only where a plot is drawn; the Agg backend must be chosen before pyplot loads
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # after use("Agg"), see above
-
-    return plt
+    return pyplot()
 
 
 

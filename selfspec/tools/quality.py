@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ast
 
-from selfspec.errors import SelfSpecError
+from selfspec.extras import require
 
 _scorer = None
 
@@ -12,10 +12,8 @@ _scorer = None
 def rouge(reference: str, text: str) -> dict:
     global _scorer
     if _scorer is None:
-        try:
-            from rouge_score import rouge_scorer  # ~2 s to import (nltk): only runs with references pay it
-        except ImportError as e:
-            raise SelfSpecError("ROUGE needs the rouge-score package (pip install rouge-score)") from e
+        require("ROUGE", "rouge_score")
+        from rouge_score import rouge_scorer  # the bench extra, slow to import: only runs with references pay it
         _scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
     s = _scorer.score(reference, text)
     return {k: s[k].fmeasure for k in ("rouge1", "rouge2", "rougeL")}

@@ -5,16 +5,12 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+from selfspec.extras import pyplot
 from selfspec.profiles import atomic_write_bytes
 
 
 def _figure(ncols: int, width: float = 6.0):
-    # matplotlib only where a plot is drawn; the Agg backend must be chosen before pyplot loads
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # after use("Agg"), see above
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, ncols, figsize=(width * ncols, 4.2), squeeze=False)
     return plt, fig, axes[0]
 
