@@ -167,7 +167,7 @@ class DraftConfig:
     (its best measured options for that strategy: profiles.best_options), then, for a strategy
     that runs bare (quantized, prompt-lookup), a calibrated choice (the predictor ranks the
     options on the model's own continuations of two built-in prompts, with its measured costs:
-    search/defaults.py), then these. Options given
+    predictor/options.py), then these. Options given
     explicitly override only themselves. The static ones: K = 4, the full vocabulary, an int8
     copy with an int8 head, prompt lookup up to 3-grams, no threshold, no lookup first."""
 

@@ -37,7 +37,7 @@ from selfspec.profiles import (Profile, best_options, builtin_profiles, checkpoi
                                remember_repo)
 from selfspec.resources import DraftResources
 from selfspec.runtime import Runtime
-from selfspec.search.defaults import calibrated_options
+from selfspec.predictor.options import calibrated_options
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 _DRAFT_FIELDS = {f.name for f in fields(DraftConfig)}

@@ -2,6 +2,8 @@
 
 - no import cycles among selfspec modules (module-level imports; `if TYPE_CHECKING:` blocks
   do not count);
+- direction: the core library (everything but the layers in UPPER) imports none of those
+  layers: tools, search, server, training and the CLI sit above it;
 - no imports inside functions, except of the optional packages in OPTIONAL, each with a
   comment saying why (on its line or the line above);
 - no module over MAX_MODULE_LINES lines and no function over MAX_FUNCTION_LINES lines,
@@ -39,6 +41,14 @@ OPTIONAL = {
 def _optional(module: str) -> bool:
     return any(module == o or module.startswith(o + ".") for o in OPTIONAL)
 
+
+# the layers above the core library: the core imports none of them (a tool may import the core)
+UPPER = ("selfspec.tools", "selfspec.search", "selfspec.server", "selfspec.training", "selfspec.cli_args", "selfspec.cli",
+         "selfspec.__main__")
+
+
+def _upper(name: str) -> bool:
+    return any(name == u or name.startswith(u + ".") for u in UPPER)
 
 # "path" (module lines) or "path:qualname" (function lines) -> why it may be longer
 EXEMPT: dict[str, str] = {}
@@ -164,6 +174,18 @@ def find_cycles(mods: dict[str, Module]) -> list[list[str]]:
     return cycles
 
 
+def back_arrows(mods: dict[str, Module]) -> list[str]:
+    """Core modules that import an upper layer (module-level imports, or any inside functions)."""
+    bad = []
+    for m in mods.values():
+        if _upper(m.name) or m.name == "selfspec":
+            continue
+        inner = [t for node in ast.walk(m.tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+                 for t in _targets(node, m, mods)]
+        bad += [f"{m.name} -> {t}" for t in sorted(m.imports | set(inner)) if _upper(t)]
+    return bad
+
+
 def function_imports(mods: dict[str, Module]) -> list[str]:
     """Imports inside functions that are not allowed: not optional, or without a comment."""
     bad = []
@@ -220,6 +242,11 @@ def test_no_import_cycles():
     assert not cycles, "import cycles among selfspec modules (module-level imports):\n" + "\n".join(" <-> ".join(c) for c in cycles)
 
 
+def test_the_core_imports_no_upper_layer():
+    bad = back_arrows(_modules())
+    assert not bad, "the core library imports a layer above it (move what it needs below it):\n" + "\n".join(bad)
+
+
 def test_no_function_level_imports_but_optional_ones():
     bad = function_imports(_modules())
     assert not bad, (f"imports inside functions (allowed only for {sorted(OPTIONAL)}, with a comment saying why; "
@@ -249,7 +276,12 @@ def test_the_checks_catch_violations(tmp_path):
     (pkg / "a.py").write_text("from selfspec.sub import b\n\n\ndef f():\n    import json\n    import ray\n    # plots only\n    import matplotlib\n")
     (pkg / "sub" / "b.py").write_text("import selfspec.a\n" + "x = 1\n" * MAX_MODULE_LINES)
     (pkg / "c.py").write_text("def g():\n" + "    pass\n" * MAX_FUNCTION_LINES)
+    (pkg / "tools").mkdir()
+    (pkg / "tools" / "__init__.py").write_text("")
+    (pkg / "tools" / "t.py").write_text("from selfspec import a\n")
+    (pkg / "d.py").write_text("from selfspec.tools import t\n")
     mods = _modules(pkg)
+    assert back_arrows(mods) == ["selfspec.d -> selfspec.tools.t"]
     assert find_cycles(mods) == [["selfspec.a", "selfspec.sub.b"]]
     bad = function_imports(mods)
     assert len(bad) == 2 and "import json" in bad[0] and "import ray" in bad[1] and "no comment" in bad[1]

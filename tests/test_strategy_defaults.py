@@ -93,8 +93,8 @@ def test_a_named_strategy_takes_the_profiles_best_options_and_given_ones_overrid
 
 
 def test_without_a_profile_the_predictor_chooses_and_the_choice_is_kept(cache, monkeypatch):
-    from selfspec.search import defaults, objective
-    from selfspec.search.objective import Prediction
+    from selfspec.predictor import objective, options
+    from selfspec.predictor.simulate import Prediction
 
     m = _model(seed=22, tokenizer=True)
     calls = []
@@ -109,7 +109,7 @@ def test_without_a_profile_the_predictor_chooses_and_the_choice_is_kept(cache, m
     assert len(calls) == 8 * 4  # the grid: K 1..8 x n-gram 1..4
     assert m.draft_config("prompt-lookup", max_ngram=3) == DraftConfig("prompt-lookup", num_speculations=7, max_ngram=3)
     assert m.strategy_defaults("prompt-lookup")[1] == "calibrated"
-    monkeypatch.setattr(defaults, "_rank", lambda *a: pytest.fail("calibrated again"))
+    monkeypatch.setattr(options, "_rank", lambda *a: pytest.fail("calibrated again"))
     again = selfspec.load(build_hf("llama", seed=22, num_layers=4), dtype="float32", tokenizer=word_tokenizer())
     assert again.draft_config("prompt-lookup") == cfg  # kept on disk: a new process does not calibrate again
     with pytest.raises(SelfSpecError, match="needs an exit layer"):

@@ -33,7 +33,8 @@ Modules: space (what a trial chooses), objective (predicted / measured speedup),
 
 from __future__ import annotations
 
-from selfspec.search.objective import Calibration, Sequence, measure, predict
+from selfspec.predictor.objective import Calibration, Sequence, predict
+from selfspec.search.objective import measure
 from selfspec.search.plots import plot_history
 from selfspec.search.space import (DRAFT_VOCABS, MAX_K, OBJECTIVES, STRATEGIES, SearchConfig, calibration_prompts,
                                    cost_parts, seed_trials, suggest)

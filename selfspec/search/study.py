@@ -17,7 +17,8 @@ from selfspec.config import DraftConfig
 from selfspec.errors import SelfSpecError
 from selfspec.extras import require
 from selfspec.predictor.costs import CostModel
-from selfspec.search.objective import Calibration, measure, predict
+from selfspec.predictor.objective import Calibration, predict
+from selfspec.search.objective import measure
 from selfspec.search.space import SearchConfig, seed_trials, suggest
 
 

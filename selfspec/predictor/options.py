@@ -8,8 +8,8 @@ is of the bare strategy, whatever options a call gives (they override only thems
 that a call and a server request naming the strategy start from the same options. The
 predictor ranks a small grid (K 1..8, the full or a restricted draft vocabulary, lookup first
 or not; prompt lookup: K and the n-gram) by their
-predicted speedup over the model's own greedy continuations of one prompt of each built-in
-set (`code`, `text`), with the model's measured costs: the search's objective (objective.py),
+predicted speedup over the model's own greedy continuations of one prompt of code and one of
+prose (data/calibration_prompts.json), with the model's measured costs: the search's objective (objective.py),
 exhaustively over a grid a few dozen configurations wide. The choice is kept on disk beside
 the measured costs (same identity: model, numerics, threads, build), so it is made once per
 model and machine (a few seconds on the default model's size).
@@ -18,19 +18,20 @@ model and machine (a few seconds on the default model's size).
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import threading
+from functools import cache
+from pathlib import Path
 
 from selfspec.config import DRAFT_BITS, DraftConfig
 from selfspec.errors import SelfSpecError
 from selfspec.predictor.calibrate import AUTO_DRAFT_VOCAB
 from selfspec.predictor.costs import load_stored, save_stored
-from selfspec.search import objective
-from selfspec.tools.datasets import load_dataset
+from selfspec.predictor import objective
 
 CALIBRATED = ("quantized", "prompt-lookup")  # strategies that run bare and the predictor models
-SETS = ("code", "text")
-PROMPTS_PER_SET = 1
+PROMPTS = Path(__file__).resolve().parent.parent / "data" / "calibration_prompts.json"  # set name -> prompts (the built-in sets' first)
 NEW_TOKENS = 48
 MAX_PROMPT_TOKENS = 256
 GRID_K = tuple(range(1, 9))
@@ -54,6 +55,12 @@ def candidates(strategy: str, vocab_size: int, restricted: bool) -> list[DraftCo
         except SelfSpecError:
             continue
     return out
+
+
+@cache
+def calibration_prompts() -> dict[str, list[str]]:
+    """The calibration prompts, by set (code, text)."""
+    return json.loads(PROMPTS.read_text())
 
 
 def calibrated_options(model, strategy: str) -> dict | None:
@@ -85,7 +92,7 @@ def _rank(model, strategy: str) -> dict | None:
     _log.warning("selfspec: note: no profile measured %s on this model; choosing its options by calibration "
                  "(once per model and machine: kept with the measured costs)", strategy)
     room = min(MAX_PROMPT_TOKENS, (model.context_length - NEW_TOKENS) // 2)  # the prompt's last tokens, well within the context
-    prompts = [model.tokenizer(s.prompt).input_ids[-room:] for name in SETS for s in load_dataset(name, PROMPTS_PER_SET, seed=0).samples]
+    prompts = [model.tokenizer(text).input_ids[-room:] for texts in calibration_prompts().values() for text in texts]
     cal = objective.Calibration(model, prompts, NEW_TOKENS, strategy="autoregressive")
     heads = {c.draft_head() for c in grid} - {(None, None)}
     bits = {c.draft_bits for c in grid if c.strategy == "quantized"}
