@@ -409,6 +409,9 @@ class SelfSpecModel:
             engine = BatchEngine(self, max_batch=max_batch, prefill_chunk=prefill_chunk)
             handles = [engine.submit(r) for r in requests]
             engine.run()
+        for h in handles:
+            if h.error is not None:  # one request's failure ended it alone (BatchEngine): raised here
+                raise h.error
         return [h.result for h in handles]
 
 
