@@ -409,6 +409,8 @@ class SelfSpecModel:
             engine = BatchEngine(self, max_batch=max_batch, prefill_chunk=prefill_chunk)
             handles = [engine.submit(r) for r in requests]
             engine.run()
+        if failed := [h.error for h in handles if h.error is not None]:
+            raise failed[0]  # one request's failure ended it alone in the batch (BatchEngine); raised here
         return [h.result for h in handles]
 
 

@@ -168,19 +168,28 @@ class BatchEngine:
                     continue
                 req = handle.request
                 cache = self._caches.take(len(req.prompt_ids) + req.gen.max_new_tokens + MAX_SPECULATIONS + 2)
-                seq = Sequence(handle, drafter, cache, self.model.tokenizer, self.model.eos_token_ids,
-                               proc=self.model.processing(req.sampling, req.gen, req.prompt_ids))
+                try:
+                    seq = Sequence(handle, drafter, cache, self.model.tokenizer, self.model.eos_token_ids,
+                                   proc=self.model.processing(req.sampling, req.gen, req.prompt_ids))
+                except Exception as e:  # its processors could not be built: this request alone fails
+                    self._caches.give(cache)
+                    handle.error = e
+                    handle._finish(None)
+                    continue
                 seq.t_start = t_submit  # time to first token counts the wait in the queue
                 seq.admitted_step = self.steps
                 self._active.append(seq)
-                if seq.kind == "solo":  # its drafter prefills on its own (e.g. auto's calibration)
-                    with torch.inference_mode():
-                        logits = drafter.prefill(torch.tensor(req.prompt_ids, device=self.rt.device), cache,
-                                                 argmax_only=seq.argmax_only)
-                    seq.prefilled = len(req.prompt_ids)
-                    seq.pick_first(logits)
-                else:
-                    seq.start_without_prefill()
+                # a solo drafter prefills on its own (e.g. auto's calibration)
+                seq.attempt(self._solo_prefill if seq.kind == "solo" else Sequence.start_without_prefill, seq)
+                if seq.failed:
+                    self._retire(seq)
+
+    def _solo_prefill(self, seq: Sequence) -> None:
+        ids = seq.req.prompt_ids
+        with torch.inference_mode():
+            logits = seq.drafter.prefill(torch.tensor(ids, device=self.rt.device), seq.cache, argmax_only=seq.argmax_only)
+        seq.prefilled = len(ids)
+        seq.pick_first(logits)
 
     def _retire_cancelled(self) -> None:
         with self._lock:
@@ -204,26 +213,32 @@ class BatchEngine:
     def _step(self) -> None:
         clock = time.perf_counter
         decoding = [s for s in self._active if s.decoding]
+        # whatever one sequence's drafter, processors or stream raise ends that sequence alone
+        # (Sequence.attempt), and the step goes on for the others
         for s in [s for s in decoding if s.kind == "solo"]:
-            self._solo_step(s)
+            s.attempt(self._solo_step, s)
         batched = [s for s in decoding if s.kind != "solo"]
         prefill = self._prefill_parts()
         if len(batched) == 1 and not prefill and self._alone(batched[0]):
-            self._solo_step(batched[0])
+            batched[0].attempt(self._solo_step, batched[0])
             return
         t0 = clock()
         for s in batched:
-            s.new_step()
-        free = [s for s in batched if s.draft_free()]  # grammar-forced drafts: nothing to plan or draft
+            if s.attempt(s.new_step) is not None:
+                s.attempt(s.draft_free)
+        batched = [s for s in batched if not s.failed]
+        free = [s for s in batched if s.draft.free]  # grammar-forced drafts: nothing to plan or draft
         predicted_s = self._plan([s for s in batched if not s.draft.free], prefill)
         if free:
             predicted_s = None
         for s in batched:
-            if s.kind == "free" and s.planned_k and not s.draft.tokens:  # greedy: made while planning
-                s.draft = s.actor.draft(replace(s.step, k=s.planned_k))
+            if s.kind == "free" and s.planned_k and not s.draft.tokens and not s.failed:  # greedy: made while planning
+                s.draft = s.attempt(s.actor.draft, replace(s.step, k=s.planned_k)) or s.draft
         td = clock()
-        draft_depth([s for s in batched if s.kind == "depth" and not s.copying and not s.draft.free])
+        draft_depth([s for s in batched if s.kind == "depth" and not s.copying and not s.draft.free and not s.failed])
         t1 = clock()
+        if any(s.failed for s in batched):
+            batched, predicted_s = [s for s in batched if not s.failed], None
         if batched and self._queue and self._stall_from is None:  # arrived while this step drafted: before its verification
             self._admit()
             if first := self._first_prompts(skip={id(s) for s, _ in prefill}):
@@ -234,7 +249,7 @@ class BatchEngine:
         if predicted_s is not None and len(logits) == len(parts):  # (newcomers who joined: rows not predicted)
             self.cost_scale.observe(predicted_s, (t1 - td, clock() - tv))
         for s, lg in zip(batched, logits):
-            self._accept(s, lg)
+            s.attempt(self._accept, s, lg)
         self._prefilled(prefill, logits[len(batched):len(parts)])
         t2 = clock()
         for s in batched:
@@ -275,7 +290,7 @@ class BatchEngine:
         for (s, p), lg in zip(prefill, logits):
             s.prefilled += len(p.ids)
             if lg is not None:
-                s.pick_first(lg[-1])
+                s.attempt(s.pick_first, lg[-1])
 
     def _first_prompts(self, skip: set[int] = frozenset()) -> list[tuple[Sequence, Part]]:
         """Newcomers' whole prompts, at most a chunk of rows together (in _prefill_parts' order,
@@ -336,39 +351,17 @@ class BatchEngine:
     def _plan(self, seqs: list[Sequence], prefill) -> tuple[float, float] | None:
         """seq.planned_k for every sequence (module doc, step 2); -> the (draft, verify) seconds
         the cost tables predict for this step when the planner decided all of its rows."""
-        greedy = []
-        for s in seqs:
-            limit = s.step.k
-            a = s.auto
-            if s.kind == "plain" or limit <= 0:
-                s.planned_k = 0
-            elif s.req.sampling.greedy and self.plan_drafts:
-                greedy.append(s)
-                continue
-            elif a is not None:  # auto's own gating, as alone
-                s.planned_k = a.plan(limit)
-            else:
-                s.planned_k = limit
-            if a is not None:
-                a.begin_step(s.planned_k)
+        greedy = [s for s in seqs if s.attempt(self._own_k, s)]
+        caps = [s.attempt(self._cap, s) for s in greedy]
+        greedy, caps = [s for s in greedy if not s.failed], [c for s, c in zip(greedy, caps) if not s.failed]
         if not greedy:
             return None
-        caps = []
-        for s in greedy:
-            cap = s.step.k
-            if s.kind == "free":  # the lookup's candidate bounds it
-                s.draft = s.actor.draft(s.step)
-                cap = len(s.draft.tokens)
-            elif copy := s.look_up():  # a hot lookup-first sequence: its copy, free to draft
-                s.draft, s.copying = Draft(copy, copied=True), True
-                cap = len(copy)
-            caps.append(cap)
         groups = [signature(s) if s.kind == "depth" and not s.copying else None for s in greedy]
         p_rows, p_logits = sum(len(p.ids) for _, p in prefill), sum(p.logits != "none" for _, p in prefill)
         ks, worth = plan_with_probes(self.costs, greedy, caps, groups, p_rows, p_logits, self.cost_scale.scales)
         self.last_plan = ks
         for i, (s, k, cap, w) in enumerate(zip(greedy, ks, caps, worth)):
-            k = ks[i] = self._probe(s, k, cap if w else 0)
+            k = ks[i] = s.probe(k, cap if w else 0)
             s.planned_k = k
             if s.kind == "free" or s.copying:
                 s.draft.tokens, s.draft.dists = s.draft.tokens[:k], s.draft.dists[:k]
@@ -379,24 +372,33 @@ class BatchEngine:
         decode_rows = sum(k + 1 for k in ks)
         return predicted(self.costs, ks, groups, p_rows + decode_rows, p_logits + decode_rows)
 
+    def _own_k(self, s: Sequence) -> bool:
+        """s.planned_k where the planner does not decide it (module doc, step 2); -> whether it does."""
+        limit = s.step.k
+        a = s.auto
+        if s.kind == "plain" or limit <= 0:
+            s.planned_k = 0
+        elif s.req.sampling.greedy and self.plan_drafts:
+            return True
+        elif a is not None:  # auto's own gating, as alone
+            s.planned_k = a.plan(limit)
+        else:
+            s.planned_k = limit
+        if a is not None:
+            a.begin_step(s.planned_k)
+        return False
+
     @staticmethod
-    def _probe(s: Sequence, k: int, cap: int) -> int:
-        """Acceptance is only learnt by drafting: a sequence the planner keeps at k = 0 drafts
-        one token after a back-off that doubles while probes keep failing (auto's rule), so
-        a draft that became good is noticed and a bad one costs a few 1-token probes. cap = 0
-        (the caller's word for "a token would not pay even if accepted": rows are dear this
-        step) skips the probe: there is nothing to learn."""
-        if k > 0 or cap <= 0:
-            if k > 0 and not s.probing:
-                s.backoff = s.BASE_BACKOFF
-            s.probing = False
-            return k
-        s.idle += 1
-        if s.idle < s.backoff:
-            return 0
-        s.idle, s.probing = 0, True
-        s.backoff = min(2 * s.backoff, s.MAX_BACKOFF)
-        return 1
+    def _cap(s: Sequence) -> int:
+        """The most tokens the planner may give s: the lookup's candidate bounds a free drafter;
+        a hot lookup-first sequence drafts its copy, free."""
+        if s.kind == "free":
+            s.draft = s.actor.draft(s.step)
+            return len(s.draft.tokens)
+        if copy := s.look_up():
+            s.draft, s.copying = Draft(copy, copied=True), True
+            return len(copy)
+        return s.step.k
 
     def _accept(self, s: Sequence, logits: torch.Tensor) -> None:
         d, step = s.draft, s.step

@@ -57,7 +57,8 @@ def draft_depth(seqs: list) -> None:
                 for r, s in enumerate(active):
                     if isinstance(s.actor, EarlyExitDrafter):
                         s.exit_h.append(h[r : r + 1])
-                    if s.actor._choose(logits[r], s.step, s.draft) and len(s.draft.tokens) < s.planned_k:
+                    # (a sequence whose drafter raises here fails alone: Sequence.attempt)
+                    if s.attempt(s.actor._choose, logits[r], s.step, s.draft) and len(s.draft.tokens) < s.planned_k:
                         going.append(s)
                 active, j = going, j + 1
 

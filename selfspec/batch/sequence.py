@@ -61,6 +61,7 @@ class BatchHandle:
         self._engine = engine
         self._done = threading.Event()
         self.result: GenerationResult | None = None
+        self.error: Exception | None = None  # what ended this request alone (Sequence.fail); result's finish is "error"
         self.cancelled = False
 
     @property
@@ -129,7 +130,7 @@ class Sequence:
         # decayed accepted / rejected counts (the planner's acceptance estimate); auto's prior
         # (from its profile's measured acceptance) where it has one
         self.A, self.R = drafter.prior if isinstance(drafter, AutoDrafter) else (1.0, 1.0)
-        self.idle, self.backoff, self.probing = 0, self.BASE_BACKOFF, False  # the planner's probes (engine._probe)
+        self.idle, self.backoff, self.probing = 0, self.BASE_BACKOFF, False  # the planner's probes (probe)
         self.step: Step | None = None
         self.draft: Draft = Draft()
         self.exit_h: list[torch.Tensor] = []  # early exit: exit hidden states of this step's drafted inputs
@@ -138,6 +139,27 @@ class Sequence:
         # copy (look_up), and the decayed accepted / rejected counts of the hot copies drafted
         self.copying = False
         self.Ac, self.Rc = COPY_PRIOR
+
+    # ---- a failure of its own ------------------------------------------------------------------
+
+    def fail(self, e: Exception) -> None:
+        """End this sequence alone: no more tokens; retired with `e` at the end of the step."""
+        if self.handle.error is None:
+            self.handle.error = e
+        self.out.finish = "error"
+
+    def attempt(self, fn: Callable, *args):
+        """fn(*args) on this sequence's behalf; -> its value, or None when it raised (the
+        sequence fails alone: the other sequences of the step go on)."""
+        try:
+            return fn(*args)
+        except Exception as e:
+            self.fail(e)
+            return None
+
+    @property
+    def failed(self) -> bool:
+        return self.handle.error is not None
 
     # ---- what drafts -----------------------------------------------------------------------
 
@@ -165,6 +187,24 @@ class Sequence:
     def alpha(self) -> float:
         """The planner's per-token acceptance of this step's draft: of hot copies, or of self-drafts."""
         return self.Ac / (self.Ac + self.Rc) if self.copying else self.A / (self.A + self.R)
+
+    def probe(self, k: int, cap: int) -> int:
+        """The planner's k for this sequence, with its probes. Acceptance is only learnt by
+        drafting: a sequence the planner keeps at k = 0 drafts one token after a back-off that
+        doubles while probes keep failing (auto's rule), so a draft that became good is noticed
+        and a bad one costs a few 1-token probes. cap = 0 (the caller's word for "a token would
+        not pay even if accepted": rows are dear this step) skips the probe: nothing to learn."""
+        if k > 0 or cap <= 0:
+            if k > 0 and not self.probing:
+                self.backoff = self.BASE_BACKOFF
+            self.probing = False
+            return k
+        self.idle += 1
+        if self.idle < self.backoff:
+            return 0
+        self.idle, self.probing = 0, True
+        self.backoff = min(2 * self.backoff, self.MAX_BACKOFF)
+        return 1
 
     def look_up(self) -> list[int]:
         """Greedy lookup-first: the context's prompt-lookup copy (up to step_room tokens, none

@@ -10,7 +10,8 @@ from selfspec.config import COUPLINGS, MAX_LOGPROBS, Grammar, LogitBias, Samplin
 from selfspec.errors import SelfSpecError
 from selfspec.server.errors import bad
 
-MAX_N = 16  # the most choices one request may ask for (each is a sequence of the batch)
+MAX_N = 16  # the most choices one request may ask for per prompt (each is a sequence of the batch)
+MAX_CHOICES = 256  # the most choices of a request with a list of prompts (prompts x n)
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300  # OpenAI's bound on logit_bias entries
 

@@ -73,9 +73,8 @@ class Metrics:
         if status == CLIENT_GONE:
             self.cancelled.inc()
         if results:
-            self.prompt_tokens.inc(results[0].prompt_tokens)
-            runs = job.jobs if len(job.jobs) == len(results) else job.jobs[:1]  # greedy choices: one run
-            for j, result in zip(runs, results):
+            self.prompt_tokens.inc(job.prompt_tokens)
+            for j, result in job.run_results():  # greedy choices of a prompt: one run
                 self.generation_tokens.inc(len(result.token_ids))
                 self._add_generation(result.stats)
                 end = j.t_last or time.perf_counter()
@@ -97,7 +96,7 @@ def _describe(info: dict, status: int, job, results) -> None:
     if status == CLIENT_GONE:
         info["selfspec_outcome"] = "client-gone"
     if job is not None:
-        info["selfspec_prompt_tokens"] = len(job.params.prompt_ids)
+        info["selfspec_prompt_tokens"] = job.prompt_tokens
         info["selfspec_strategy"] = job.params.draft.strategy
         if job.t_start is not None:
             info["selfspec_queue_s"] = job.t_start - job.t_arrival

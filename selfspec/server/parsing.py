@@ -32,7 +32,7 @@ from selfspec.config import STRATEGIES, DraftConfig, SamplingConfig
 from selfspec.errors import SelfSpecError
 from selfspec.server.errors import APIError, bad
 from selfspec.grammar import grammar_matcher
-from selfspec.server.fields import (is_int, parse_coupling, parse_echo, parse_logprobs, parse_n, parse_processors,
+from selfspec.server.fields import (MAX_CHOICES, is_int, parse_coupling, parse_echo, parse_logprobs, parse_n, parse_processors,
                                     parse_response_format, parse_sampling, parse_stop, parse_stop_token_ids)
 from selfspec.server.settings import MAX_REQUEST_NGRAM, REQUEST_DRAFT_OPTIONS, PromptLimits, ServerSettings
 
@@ -107,6 +107,7 @@ class Request:
     ids: list[int] | None = None  # a prompt given as token ids
     text: str | None = None  # a text prompt (completions)
     messages: list[dict] | None = None  # a conversation (chat), roles normalised
+    batch: tuple[str | list[int], ...] = ()  # completions: a list of prompts (then ids and text are None)
 
 
 @dataclass(frozen=True)
@@ -162,8 +163,14 @@ def parse_request(body: dict, chat: bool, ctx: ParseContext) -> Request:
                   stop_token_ids=parse_stop_token_ids(body.get("stop_token_ids"), ctx.vocab_size))
     if chat:
         return Request(**common, messages=parse_messages(body.get("messages"), ctx.limits))
-    prompt = parse_prompt(body.get("prompt"), ctx)
-    return Request(**common, **({"text": prompt} if isinstance(prompt, str) else {"ids": prompt}))
+    prompts = parse_prompts(body.get("prompt"), ctx, n)
+    if len(prompts) > 1:
+        return Request(**common, batch=tuple(prompts))
+    return Request(**common, **_one(prompts[0]))
+
+
+def _one(prompt: str | list[int]) -> dict:
+    return {"text": prompt} if isinstance(prompt, str) else {"ids": prompt}
 
 
 def _check_fields(body: dict, chat: bool) -> None:
@@ -287,27 +294,33 @@ def _check_chars(chars: int, limits: PromptLimits, param: str) -> None:
         raise too_long(-(-chars // per_token), limits, param, at_least=True)
 
 
-def parse_prompt(prompt, ctx: ParseContext) -> str | list[int]:
-    """A completion prompt: text (checked against the character bound) or token ids."""
+def parse_prompts(prompt, ctx: ParseContext, n: int = 1) -> list[str | list[int]]:
+    """A completion's prompts: one (text or token ids) or, as the OpenAI API allows, a list of
+    them (of texts or of token id lists; lm-eval sends one with batch_size > 1)."""
     if prompt is None:
         raise bad("You must provide a prompt.", param="prompt", code="missing_required_parameter")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+    if not (isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)):
+        return [parse_prompt(prompt, ctx)]
+    if len(prompt) * n > MAX_CHOICES:
+        raise bad(f"A request may ask for at most {MAX_CHOICES} choices (prompts x n); this one asks for {len(prompt) * n}.",
+                  param="prompt", code="invalid_value")
+    return [parse_prompt(p, ctx, f"prompt[{i}]") for i, p in enumerate(prompt)]
+
+
+def parse_prompt(prompt, ctx: ParseContext, param: str = "prompt") -> str | list[int]:
+    """A completion prompt: text (checked against the character bound) or token ids."""
     if isinstance(prompt, str):
         if not prompt.strip():
-            raise bad("The prompt is empty.", param="prompt", code="empty_prompt")
-        _check_chars(len(prompt), ctx.limits, "prompt")
+            raise bad("The prompt is empty.", param=param, code="empty_prompt")
+        _check_chars(len(prompt), ctx.limits, param)
         return prompt
     if isinstance(prompt, list):
         if not prompt:
-            raise bad("The prompt is empty.", param="prompt", code="empty_prompt")
+            raise bad("The prompt is empty.", param=param, code="empty_prompt")
         if all(is_int(t) for t in prompt):
-            check_ids(prompt, ctx.limits, ctx.vocab_size, "prompt")
+            check_ids(prompt, ctx.limits, ctx.vocab_size, param)
             return list(prompt)
-        if all(isinstance(p, (str, list)) for p in prompt):
-            raise bad("Batched prompts are not supported: send one prompt per request.", param="prompt",
-                      code="unsupported_parameter")
-    raise bad("'prompt' must be a string or a list of token ids.", param="prompt", code="invalid_type")
+    raise bad(f"'{param}' must be a string, a list of token ids, or a list of those.", param=param, code="invalid_type")
 
 
 def check_ids(ids: list[int], limits: PromptLimits, vocab_size: int, param: str) -> None:
@@ -357,6 +370,13 @@ def _parse_message(m, p: str) -> dict:
 
 
 # ---- stage 2: tokenization (once; in a worker thread, never on the event loop) -----------
+
+
+def encode_all(req: Request, model, ctx: ParseContext) -> list[Params]:
+    """encode() for each of the request's prompts (a list of them: `batch`; else the one)."""
+    if not req.batch:
+        return [encode(req, model, ctx)]
+    return [encode(replace(req, batch=(), **_one(p)), model, ctx) for p in req.batch]
 
 
 def encode(req: Request, model, ctx: ParseContext) -> Params:

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP app: `create_app(model, draft_config, settings)` -> FastAPI.
 
 Endpoints
-    POST /v1/completions        prompt (string, or token ids) -> text; `stream: true` = SSE
+    POST /v1/completions        prompt (string, token ids, or a list of those) -> text; `stream: true` = SSE
     POST /v1/chat/completions   messages -> the tokenizer's chat template -> text; SSE too
     GET  /v1/models             the served model (one)
     GET  /health                liveness, queue depth, outcomes so far (no API key needed)
@@ -36,7 +36,7 @@ from selfspec.errors import SelfSpecError
 from selfspec.server.choices import Choices
 from selfspec.server.errors import APIError, ClientGone, bad
 from selfspec.server.metrics import CLIENT_GONE, Metrics
-from selfspec.server.parsing import ParseContext, encode, parse_request
+from selfspec.server.parsing import ParseContext, encode_all, parse_request
 from selfspec.server.settings import ServerSettings
 from selfspec.server.streaming import LogRequests, plain_body, stream_response
 from selfspec.server.worker import Admission, Worker
@@ -106,11 +106,11 @@ class Server:
         return body
 
     async def params(self, request: Request, chat: bool):
-        """Auth, body, validation, then tokenization (once, in the tokenizer thread)."""
+        """Auth, body, validation, then tokenization (once, in the tokenizer thread) -> a Params per prompt."""
         self.check_auth(request)
         req = parse_request(await self.read_json(request), chat, self.ctx)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.tokenizer_pool, encode, req, self.model, self.ctx)
+        return await loop.run_in_executor(self.tokenizer_pool, encode_all, req, self.model, self.ctx)
 
     def error_response(self, e: APIError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status, headers={**e.headers, **self.headers})
@@ -188,7 +188,7 @@ async def handle(srv: Server, request: Request, chat: bool):
             srv.worker.submit(j)
         await _wait_for_start(srv, job, watcher)
         item = await _next(job, watcher)
-        if params.stream and item[0] in ("tok", "done"):
+        if job.params.stream and item[0] in ("tok", "done"):
             # headers only once the first event is in: errors in the prefill still get a status
             response = stream_response(srv, job, item, chat, endpoint, info)
             handed_over = True

@@ -11,7 +11,7 @@ import uuid
 from fastapi.responses import StreamingResponse
 
 from selfspec.server.errors import APIError
-from selfspec.server.logprob_format import CompletionLogprobs, chat_logprobs, merged, shown
+from selfspec.server.logprob_format import CompletionLogprobs, chat_logprobs, merged
 from selfspec.server.metrics import CLIENT_GONE
 
 log = logging.getLogger("selfspec.server")
@@ -54,9 +54,9 @@ class LogRequests:
             log.info('%s "%s %s" %s %.3fs%s', client[0], scope["method"], scope["path"], code, time.perf_counter() - t0, extra)
 
 
-def usage(results) -> dict:
-    """OpenAI's usage of a request: its prompt once, every choice's tokens."""
-    prompt, n = results[0].prompt_tokens, sum(len(r.token_ids) for r in results)
+def usage(job, results) -> dict:
+    """OpenAI's usage of a request: each prompt once, every choice's tokens."""
+    prompt, n = job.prompt_tokens, sum(len(r.token_ids) for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
 
 
@@ -91,17 +91,22 @@ def stats(srv, job, results) -> dict:
     return d
 
 
-def _choice_logprobs(srv, job, result, chat: bool):
-    """A finished choice's logprobs object (None without logprobs)."""
-    p = job.params
+def ending_ids(srv, params) -> frozenset[int]:
+    """The token ids that end a choice: their logprob entries show no text."""
+    return frozenset(srv.model.eos_token_ids) | frozenset(params.stop_token_ids)
+
+
+def _choice_logprobs(srv, job, i: int, result, chat: bool):
+    """Choice i's logprobs object, finished (None without logprobs)."""
+    p = job.prompt_of(i)
     if p.logprobs is None:
         return None
-    entries = shown(result, p, srv.model.eos_token_ids)
+    entries = result.logprobs or []
     if chat:
-        return chat_logprobs(entries, srv.model.tokenizer)
-    lp = CompletionLogprobs(srv.model.tokenizer, p.logprobs)
+        return chat_logprobs(entries, srv.model.tokenizer, ending_ids(srv, p))
+    lp = CompletionLogprobs(srv.model.tokenizer, p.logprobs, ending_ids(srv, p))
     if p.echo:
-        return merged(lp.piece(job.prompt_logprobs, p.prompt_ids), lp.piece(entries))
+        return merged(lp.prompt(job.prompt_logprobs_of(i), p.prompt_ids, p.echo_text), lp.piece(entries))
     return lp.piece(entries)
 
 
@@ -109,15 +114,15 @@ def plain_body(srv, job, results, chat: bool) -> tuple[dict, str]:
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     choices = []
     for i, result in enumerate(results):
-        choice = {"index": i, "logprobs": _choice_logprobs(srv, job, result, chat), "finish_reason": finish_reason(result)}
+        choice = {"index": i, "logprobs": _choice_logprobs(srv, job, i, result, chat), "finish_reason": finish_reason(result)}
         if chat:
             choice["message"] = {"role": "assistant", "content": result.text}
         else:
-            choice["text"] = job.params.echo_text + result.text
+            choice["text"] = job.prompt_of(i).echo_text + result.text
         choices.append(choice)
     body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": job.params.model, "system_fingerprint": srv.fingerprint_of(job.params.sampling.coupling), "choices": choices,
-            "usage": usage(results), "selfspec": stats(srv, job, results)}
+            "usage": usage(job, results), "selfspec": stats(srv, job, results)}
     return body, rid
 
 
@@ -132,15 +137,20 @@ class _Chunks:
                      "created": int(time.time()), "model": job.params.model,
                      "system_fingerprint": srv.fingerprint_of(job.params.sampling.coupling)}
         p = job.params
-        self.logprobs = None if p.logprobs is None or chat else [CompletionLogprobs(srv.model.tokenizer, p.logprobs)
-                                                                 for _ in range(p.n)]
+        self.ending = ending_ids(srv, p)
+        self.logprobs = None if p.logprobs is None or chat else [CompletionLogprobs(srv.model.tokenizer, p.logprobs, self.ending)
+                                                                 for _ in range(job.size)]
         self.tok = srv.model.tokenizer
 
     def chunk(self, index: int, delta_text: str | None, finish: str | None = None, role: bool = False,
-              entries: list | None = None, ids: list[int] | None = None) -> str:
+              entries: list | None = None, prompt=None) -> str:
+        """prompt: the Params whose prompt `entries` score (echo), else entries are generated tokens'."""
         lp = None
-        if entries is not None:
-            lp = chat_logprobs(entries, self.tok) if self.chat else self.logprobs[index].piece(entries, ids)
+        if entries is not None and self.chat:
+            lp = chat_logprobs(entries, self.tok, self.ending)
+        elif entries is not None:
+            lp = self.logprobs[index]
+            lp = lp.prompt(entries, prompt.prompt_ids, prompt.echo_text) if prompt is not None else lp.piece(entries)
         if self.chat:
             delta = {}
             if role:
@@ -171,14 +181,15 @@ def _coalesce(job, item) -> tuple[dict, object]:
 async def _events(srv, job, first, ch: _Chunks, state: dict):
     # The engine's deltas are already safe to send: it holds back text that could still
     # become a stop string or an incomplete character (engine._Output).
-    n, p = job.n, job.params
+    n, p = job.size, job.params
     sent, item = [""] * n, first
     if ch.chat:
         for i in range(n):
             yield ch.chunk(i, None, role=True)
     elif p.echo:
         for i in range(n):
-            yield ch.chunk(i, p.echo_text, entries=job.prompt_logprobs if p.logprobs is not None else None, ids=p.prompt_ids)
+            q = job.prompt_of(i)
+            yield ch.chunk(i, q.echo_text, entries=job.prompt_logprobs_of(i) if p.logprobs is not None else None, prompt=q)
     while item[0] == "tok":
         out, item = _coalesce(job, item)
         for i, (text, lps) in sorted(out.items()):
@@ -199,7 +210,7 @@ async def _events(srv, job, first, ch: _Chunks, state: dict):
                 yield ch.chunk(i, rest)
             yield ch.chunk(i, None if ch.chat else "", finish=finish_reason(result))
         if ch.include_usage:
-            yield sse({**ch.base, "choices": [], "usage": usage(results), "selfspec": stats(srv, job, results)})
+            yield sse({**ch.base, "choices": [], "usage": usage(job, results), "selfspec": stats(srv, job, results)})
         yield "data: [DONE]\n\n"
     elif item[0] == "error":
         e = item[1]

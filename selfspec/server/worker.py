@@ -26,9 +26,11 @@ delays running streams by one chunk per step, never a whole prefill (short ones,
 together, take a pass of their own first: BatchEngine._first_prompts). A strategy the engine
 cannot batch runs its solo steps inside the batch (exact, as alone).
 
-Failures: a request's own failure (building its drafter, streaming its tokens) ends that
-request alone. A failure inside a step leaves the batch in an unknown state: every request in
-it gets the error, and the next step starts from a fresh engine; waiting requests go on.
+Failures: a request's own failure (building its drafter or processors, its drafter's or
+processors' calls inside a step, streaming its tokens) ends that request alone with the error
+(BatchEngine: Sequence.attempt); the others finish unchanged. A failure of the batch's shared
+passes leaves the batch in an unknown state: every request in it gets the error, and the next
+step starts from a fresh engine; waiting requests go on.
 """
 
 from __future__ import annotations
@@ -301,7 +303,10 @@ class Worker:
             result = job.handle.result
             if job.failed:
                 continue
-            if result is None or result.finish_reason == "cancelled" or job.cancelled.is_set():
+            if job.handle.error is not None:  # its own failure inside the engine: the batch went on without it
+                job.failed = True
+                job.post("error", job.handle.error)
+            elif result is None or result.finish_reason == "cancelled" or job.cancelled.is_set():
                 job.post("cancelled")
             else:
                 job.post("done", result)
