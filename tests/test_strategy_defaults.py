@@ -138,3 +138,20 @@ def test_the_cli_leaves_a_required_option_to_the_profile(cache):
         check_before_loading(ns(strategy="early-exit", num_speculations=99))
     with pytest.raises(SelfSpecError, match="exit layer"):
         check_before_loading(ns(strategy="early-exit", exit_layer=40))  # the default model has 18 layers
+
+
+def test_calibration_texts_that_end_at_once_leave_the_static_defaults(cache, monkeypatch):
+    """A model that ends every calibration text within a token (an immediate EOS; here one new
+    token) has nothing to rank on: the static defaults, with a note, not a crash at load or
+    serve, and no choice kept (calibrated again next time)."""
+    from selfspec.predictor import objective, options
+
+    monkeypatch.setattr(options, "NEW_TOKENS", 1)
+    m = _model(seed=24, tokenizer=True)
+    assert m.draft_config("quantized") == DraftConfig("quantized")
+    ranked = []
+    monkeypatch.setattr(options, "_rank", lambda *a: ranked.append(a) or None)
+    m.draft_config("quantized")
+    assert ranked  # nothing was kept
+    with pytest.raises(SelfSpecError, match="nothing to calibrate on"):
+        objective.Calibration(m, ["the cat"], 1)

@@ -35,7 +35,11 @@ class Calibration:
         for p in prompts:
             ids = model.encode(p)
             out = model.generate(ids, max_new_tokens=max_new_tokens, strategy=strategy)
-            self.seqs.append(Sequence(p, ids + out.token_ids, len(ids)))
+            if len(out.token_ids) >= 2:  # a draft scores against the token after the one pending
+                self.seqs.append(Sequence(p, ids + out.token_ids, len(ids)))
+        if not self.seqs:
+            raise SelfSpecError("the model ends every calibration text within one token (an immediate end of "
+                                "sequence?): nothing to calibrate on")
         self._signals: dict = {}
         self._heads: dict = {}
 

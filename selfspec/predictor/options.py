@@ -93,7 +93,11 @@ def _rank(model, strategy: str) -> dict | None:
                  "(once per model and machine: kept with the measured costs)", strategy)
     room = min(MAX_PROMPT_TOKENS, (model.context_length - NEW_TOKENS) // 2)  # the prompt's last tokens, well within the context
     prompts = [model.tokenizer(text).input_ids[-room:] for texts in calibration_prompts().values() for text in texts]
-    cal = objective.Calibration(model, prompts, NEW_TOKENS, strategy="autoregressive")
+    try:
+        cal = objective.Calibration(model, prompts, NEW_TOKENS, strategy="autoregressive")
+    except SelfSpecError as e:  # nothing to rank on: the static defaults, chosen again next time
+        _log.warning("selfspec: note: %s; %s keeps its static defaults", e, strategy)
+        return None
     heads = {c.draft_head() for c in grid} - {(None, None)}
     bits = {c.draft_bits for c in grid if c.strategy == "quantized"}
     costs = res.cost_model(heads=tuple(heads), bits=tuple(b for b in bits if b in DRAFT_BITS)).greedy()
