@@ -22,13 +22,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf.constants import GGMLQuantizationType
-from gguf.quants import dequantize
 from transformers import AutoConfig, AutoTokenizer
 from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
 from selfspec.errors import SelfSpecError
 from selfspec.gguf_file import GGUFFile, StringArray, TensorInfo
+from selfspec.kernels import ggml
 
 # the file's general.architecture -> transformers' model_type
 ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
@@ -106,10 +105,8 @@ def hf_config(f: GGUFFile):
 
 
 def _dequantized(raw: np.ndarray, info: TensorInfo) -> np.ndarray:
-    """Raw blocks [m, row_bytes] -> float32 [m, cols]."""
-    if info.qtype == GGMLQuantizationType.F32:
-        return raw.view(np.float32)
-    return dequantize(raw, info.qtype).astype(np.float32, copy=False).reshape(raw.shape[0], info.shape[-1])
+    """Raw blocks [m, row_bytes] -> float32 [m, cols] (the gguf package's dequantizer's bits)."""
+    return ggml.dequantize(raw, info.qtype, info.shape[-1])
 
 
 def _qk_order(rows: int, heads: int) -> np.ndarray:
