@@ -25,6 +25,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
+from selfspec.architectures import ModelSpec
 from selfspec.errors import SelfSpecError
 from selfspec.gguf_file import GGUFFile, StringArray, TensorInfo
 from selfspec.kernels import ggml
@@ -172,6 +173,28 @@ class GGUFCheckpoint(Mapping):
             return torch.from_numpy(np.array(w, dtype=np.float32))
         return self.lazy(name)[:]
 
+    def check_shapes(self, spec: ModelSpec) -> None:
+        """One line where a tensor's shape is not the one the metadata gives it (the kernels
+        would read past its end), or a tensor the runtime needs is missing."""
+        h, q, kv, ffn = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.intermediate_size
+        want = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+                "self_attn.o_proj": (h, q), "mlp.gate_proj": (ffn, h), "mlp.up_proj": (ffn, h), "mlp.down_proj": (h, ffn),
+                "self_attn.q_norm": (spec.head_dim,), "self_attn.k_norm": (spec.head_dim,)}
+        for name, gg in self._names.items():
+            stem = name.removesuffix(".weight").removesuffix(".bias")
+            if name.startswith(("model.embed_tokens.", "lm_head.")):
+                shape = (spec.vocab_size, h)
+            elif stem.startswith("model.layers."):
+                part = stem.split(".", 3)[3]
+                shape = want.get(part, (h,))[:1 if name.endswith(".bias") else 2]
+            else:
+                shape = (h,)
+            if self.file.tensors[gg].shape != shape:
+                raise SelfSpecError(f"{self.file.path.name}: tensor {gg} is {list(self.file.tensors[gg].shape)}, "
+                                    f"its metadata makes it {list(shape)}")
+        if "model.embed_tokens.weight" not in self._names:
+            raise SelfSpecError(f"{self.file.path.name}: no token_embd.weight tensor")
+
     def lazy(self, name: str) -> GGUFRows:
         info = self._info(name)
         return GGUFRows(self.file, info, self._order(name, info.shape[0]))
@@ -238,6 +261,7 @@ def load(path: Path, cache: Path, tokenizer=None):
     f = GGUFFile(path)
     sd = GGUFCheckpoint(f)
     config = hf_config(f)
+    sd.check_shapes(ModelSpec.from_hf_config(config))  # unsupported or inconsistent files fail before any weight is read
     if tokenizer is None:
         tokenizer = _POOL.submit(load_tokenizer, path, tokenizer_dir(f, cache))
     return sd, config, tokenizer

@@ -260,7 +260,6 @@ def load_source(source, tokenizer=None, allow_pickle: bool = False):
         if path.suffix != ".gguf":
             raise SelfSpecError(f"{path} is a file but not a .gguf model; pass a model directory or a .gguf file")
         sd, config, tok = gguf_load.load(path, cache_root(), tokenizer)
-        ModelSpec.from_hf_config(config)  # unsupported shapes fail before reading weights
         return sd, config, tok, name if ref is not None or name in ALIASES else str(path)
     if not (path / "config.json").exists():
         raise SelfSpecError(f"{path} has no config.json: not a Hugging Face model directory")

@@ -88,3 +88,12 @@ def test_bad_files_are_one_line(tmp_path):
     w.close()
     with pytest.raises(SelfSpecError, match="unsupported GGUF architecture 'phi3'"):
         selfspec.load(tmp_path / "phi.gguf", tokenizer=helpers.word_tokenizer())
+
+
+def test_a_tensor_of_the_wrong_shape_is_one_line(tmp_path):
+    hf = helpers.build_hf("qwen2", seed=1)
+    with torch.no_grad():
+        hf.model.layers[1].mlp.down_proj.weight = torch.nn.Parameter(torch.randn(64, 64))  # ffn is 96
+    path = write_gguf(hf, tmp_path / "odd.gguf", Q.Q8_0)
+    with pytest.raises(SelfSpecError, match=r"blk.1.ffn_down.weight is \[64, 64\], its metadata makes it \[64, 96\]"):
+        selfspec.load(path, tokenizer=helpers.word_tokenizer())
