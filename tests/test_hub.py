@@ -20,6 +20,7 @@ import textwrap
 import weakref
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 from huggingface_hub import errors as hub_errors
@@ -30,6 +31,7 @@ except ImportError:  # pragma: no cover
     import httpx as http
 
 import helpers
+from gguf_files import transformers_model, write_gguf
 import selfspec
 from selfspec import cli, hub, loading
 from selfspec.errors import SelfSpecError
@@ -123,21 +125,14 @@ def test_load_by_id_at_a_revision_and_a_commit(hub_cache, tmp_path):
     assert m.tokenizer is not None and m.tokenizer.decode(m.encode("the cat")) == "the cat"
 
 
-def test_a_gguf_inside_a_repo_is_downloaded_and_converted(hub_cache, tmp_path, monkeypatch):
+def test_a_gguf_inside_a_repo_is_downloaded_and_read(hub_cache, tmp_path):
     (tmp_path / "g").mkdir()
-    (tmp_path / "g" / "tiny.Q8_0.gguf").write_bytes(b"GGUF stand-in")
-    snap = lay_out(hub_cache, "test-org/tiny-GGUF", COMMIT_A, tmp_path / "g")
     hf = helpers.build_hf("llama", seed=2)
-    seen = []
-
-    def convert(path):  # what transformers' GGUF reader gives back (that conversion has tests of its own)
-        seen.append(Path(path))
-        return hf, helpers.word_tokenizer()
-
-    monkeypatch.setattr(loading, "_load_gguf_hf", convert)
-    m = selfspec.load("test-org/tiny-GGUF:tiny.Q8_0.gguf")
-    assert seen == [snap / "tiny.Q8_0.gguf"] and m.name == "test-org/tiny-GGUF:tiny.Q8_0.gguf"
-    assert m.fingerprint == selfspec.load(hf).fingerprint
+    write_gguf(hf, tmp_path / "g" / "tiny.Q8_0.gguf", gguf.GGMLQuantizationType.F32)
+    snap = lay_out(hub_cache, "test-org/tiny-GGUF", COMMIT_A, tmp_path / "g")
+    m = selfspec.load("test-org/tiny-GGUF:tiny.Q8_0.gguf", tokenizer=helpers.word_tokenizer())
+    assert (snap / "tiny.Q8_0.gguf").exists() and m.name == "test-org/tiny-GGUF:tiny.Q8_0.gguf"
+    assert m.fingerprint == selfspec.load(transformers_model(snap / "tiny.Q8_0.gguf")).fingerprint
     with pytest.raises(SelfSpecError, match="not in the Hub cache"):
         selfspec.load("test-org/tiny-GGUF:other.gguf")
 

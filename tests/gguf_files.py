@@ -1,0 +1,86 @@
+"""Small GGUF files written by the tests themselves (gguf's GGUFWriter) from tiny random HF
+models, laid out as llama.cpp's converter lays them out: its tensor names, q/k rows permuted
+for llama-architecture files, Gemma's norms stored with +1, matrices in a chosen block type."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM
+
+# tiny HF arch -> the file's general.architecture
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
+
+_LAYER = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "input_layernorm": "attn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+_LLAMA = {"post_attention_layernorm": "ffn_norm"}
+_GEMMA = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+          "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def _gguf_name(hf: str, gemma: bool) -> str:
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    if hf in top:
+        return top[hf]
+    _, _, i, rest = hf.split(".", 3)
+    stem, kind = rest.rsplit(".", 1)
+    return f"blk.{i}.{(_LAYER | (_GEMMA if gemma else _LLAMA))[stem]}.{kind}"
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order: each head's two rotary halves interleaved."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(hf_model, path: Path, matrix_type=gguf.GGMLQuantizationType.Q8_0) -> Path:
+    """hf_model (a tiny transformers causal LM) as a GGUF file at path; norms F32, matrices
+    (and the embedding) in matrix_type. Returns path."""
+    cfg = hf_model.config
+    arch = GGUF_ARCH[cfg.model_type.removesuffix("_text")]
+    gemma = arch == "gemma3"
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(10000.0)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_vocab_size(cfg.vocab_size)
+    if gemma:
+        w.add_sliding_window(cfg.sliding_window)
+    for name, t in hf_model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        a = t.detach().float().numpy()
+        if gemma and name.endswith("norm.weight"):
+            a = a + 1
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            a = _permute(a, cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads)
+        if a.ndim == 2 and matrix_type != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(_gguf_name(name, gemma), gguf.quants.quantize(a, matrix_type), raw_dtype=matrix_type)
+        else:
+            w.add_tensor(_gguf_name(name, gemma), np.ascontiguousarray(a, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
+
+
+def transformers_model(path: Path):
+    """transformers' own reading of the file (its GGUF loader), fp32."""
+    m = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32, local_files_only=True)
+    return m.eval()

@@ -1,0 +1,108 @@
+"""GGUF files read directly (selfspec/gguf_file.py, gguf_load.py): the same tensors, config and
+outputs as transformers' own GGUF loader gives, for every supported architecture, and bad files
+as one line."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import helpers
+from gguf_files import transformers_model, write_gguf
+
+import selfspec
+from selfspec import gguf_load, loading
+from selfspec.architectures import ModelSpec, strip_prefix
+from selfspec.errors import SelfSpecError
+from selfspec.gguf_file import GGUFFile
+
+Q = gguf.GGMLQuantizationType
+
+
+# transformers' GGUF table reads Qwen3's head width from no key (its default, 128): the tiny
+# Qwen3 takes that width so that its reading is the reference (ours reads attention.key_length)
+@pytest.mark.parametrize("arch,qtype,kw", [("llama", Q.Q8_0, {}), ("mistral", Q.F16, {}), ("qwen2", Q.Q4_0, {}),
+                                           ("qwen3", Q.Q8_0, {"head_dim": 128}), ("gemma3", Q.Q5_0, {}), ("llama3", Q.F32, {})])
+def test_tensors_config_and_tokens_match_transformers_gguf_loader(arch, qtype, kw, tmp_path):
+    hf = helpers.build_hf(arch, seed=3, **kw)
+    path = write_gguf(hf, tmp_path / f"tiny-{arch}.gguf", qtype)
+    ref = transformers_model(path)
+    ck = gguf_load.GGUFCheckpoint(GGUFFile(path))
+    want = strip_prefix(ref.state_dict())
+    assert set(ck) == set(want) - ({"lm_head.weight"} if ref.config.tie_word_embeddings else set())
+    for name in ck:
+        assert torch.equal(ck[name], want[name]), name  # the same dequantization, permutation and norm offsets
+    config = gguf_load.hf_config(GGUFFile(path))
+    assert ModelSpec.from_hf_config(config) == ModelSpec.from_hf_config(ref.config)
+    tok = helpers.word_tokenizer()
+    mine, theirs = selfspec.load(path, tokenizer=tok, dtype="float32"), selfspec.load(ref, tokenizer=tok, dtype="float32")
+    assert mine.fingerprint == theirs.fingerprint
+    for prompt in helpers.prompts(n=2):
+        a = mine.generate(prompt, max_new_tokens=8, strategy="autoregressive").token_ids
+        assert a == theirs.generate(prompt, max_new_tokens=8, strategy="autoregressive").token_ids
+
+
+def test_rows_are_read_a_chunk_at_a_time(tmp_path):
+    hf = helpers.build_hf("llama", seed=1)
+    path = write_gguf(hf, tmp_path / "tiny.gguf", Q.Q8_0)
+    ck = gguf_load.GGUFCheckpoint(GGUFFile(path))
+    name = "model.layers.1.self_attn.q_proj.weight"
+    whole = ck[name]
+    rows = ck.lazy(name)
+    assert tuple(rows.shape) == tuple(whole.shape)
+    for a, b in ((0, 5), (7, 40), (50, 1000), (3, 3)):
+        assert torch.equal(rows[a:b], whole[a:b])
+
+
+def test_header_matches_gguf_reader_and_shape_is_peeked(tmp_path):
+    hf = helpers.build_hf("qwen3", seed=2)
+    path = write_gguf(hf, tmp_path / "tiny.gguf", Q.Q8_0)
+    mine, theirs = GGUFFile(path), gguf.GGUFReader(str(path))
+    assert [t.name for t in theirs.tensors] == list(mine.tensors)
+    for t in theirs.tensors:
+        info = mine.tensors[t.name]
+        assert info.qtype == t.tensor_type and info.offset == t.data_offset  # absolute in both
+        raw = mine.read_rows(info, 0, info.rows)
+        assert np.array_equal(raw.reshape(-1), np.asarray(t.data).reshape(-1).view(np.uint8))
+    assert loading.peek_shape(str(path)) == (hf.config.num_hidden_layers, hf.config.vocab_size)
+
+
+def test_bad_files_are_one_line(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF stand-in")
+    with pytest.raises(SelfSpecError, match="cannot read GGUF file"):
+        selfspec.load(bad, tokenizer=helpers.word_tokenizer())
+    hf = helpers.build_hf("llama", seed=1)
+    path = write_gguf(hf, tmp_path / "tiny.gguf", Q.Q8_0)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(SelfSpecError, match="truncated"):
+        selfspec.load(cut, tokenizer=helpers.word_tokenizer())
+    w = gguf.GGUFWriter(str(tmp_path / "phi.gguf"), "phi3")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(SelfSpecError, match="unsupported GGUF architecture 'phi3'"):
+        selfspec.load(tmp_path / "phi.gguf", tokenizer=helpers.word_tokenizer())
+
+
+def test_a_tensor_of_the_wrong_shape_is_one_line(tmp_path):
+    hf = helpers.build_hf("qwen2", seed=1)
+    with torch.no_grad():
+        hf.model.layers[1].mlp.down_proj.weight = torch.nn.Parameter(torch.randn(64, 64))  # ffn is 96
+    path = write_gguf(hf, tmp_path / "odd.gguf", Q.Q8_0)
+    with pytest.raises(SelfSpecError, match=r"blk.1.ffn_down.weight is \[64, 64\], its metadata makes it \[64, 96\]"):
+        selfspec.load(path, tokenizer=helpers.word_tokenizer())
+
+
+def test_a_file_that_cannot_fit_is_refused_before_a_tensor_is_read(tmp_path, monkeypatch):
+    path = write_gguf(helpers.build_hf("llama", seed=1), tmp_path / "tiny.gguf", Q.Q8_0)
+    monkeypatch.setattr(loading, "available_memory", lambda device="cpu": 1000)
+    monkeypatch.setattr(gguf_load.GGUFCheckpoint, "lazy", lambda *a: pytest.fail("a tensor was read"))
+    monkeypatch.setattr(gguf_load.GGUFCheckpoint, "__getitem__", lambda *a: pytest.fail("a tensor was read"))
+    with pytest.raises(SelfSpecError, match="it cannot fit"):
+        selfspec.load(path, tokenizer=helpers.word_tokenizer(), dtype="float32")
