@@ -186,3 +186,31 @@ def test_stop_rules_and_refusals(models):
         m.generate(PROMPTS[0], max_new_tokens=4, temperature=0.5, top_k=5, draft=STRATEGIES[0])
     with pytest.raises(SelfSpecError, match="rejection"):
         m.generate(PROMPTS[0], max_new_tokens=4, temperature=0.5, coupling="rejection", draft=STRATEGIES[0])
+
+
+def test_inductor_compiled_step_gives_the_same_tokens():
+    """One real compile (inductor, the CPU's C++ kernels): early exit K=3 on a 2-layer llama."""
+    m = selfspec.load(build_hf("llama", num_layers=2), dtype="float32")
+    plain, compiled = CompiledEngine(m.runtime, compile_backend=None), CompiledEngine(m.runtime, compile_backend="inductor")
+    gens = [GenerationConfig(max_new_tokens=16)] * 2
+    plan = Plan("early-exit", k=3, exit_layer=1)
+    ar = plain.generate(PROMPTS[:2], gens, Plan("autoregressive"), None, 0.0)
+    out = compiled.generate(PROMPTS[:2], gens, plan, None, 0.0)
+    assert [r.token_ids for r in out] == [r.token_ids for r in ar]
+    assert [r.token_ids for r in out] == [r.token_ids for r in plain.generate(PROMPTS[:2], gens, plan, None, 0.0)]
+
+
+def test_default_model(default_model):
+    """Gemma 3 270M (fp32): every strategy equals the backend's autoregressive output and the
+    existing runtime's, greedy; early exit seeded."""
+    m = CompiledModel(default_model)
+    engine_of(default_model).compile_backend = None
+    prompt = "def fibonacci(n):"
+    ar = m.generate(prompt, max_new_tokens=12, draft=DraftConfig("autoregressive"))
+    assert ar.token_ids == default_model.generate(prompt, max_new_tokens=12, strategy="autoregressive").token_ids
+    for cfg in (DraftConfig("early-exit", exit_layer=8, num_speculations=3), DraftConfig("layer-skip", skip_mlp=(3, 5, 7), num_speculations=3)):
+        assert m.generate(prompt, max_new_tokens=12, draft=cfg).token_ids == ar.token_ids
+    kw = dict(max_new_tokens=8, temperature=0.8, seed=3)
+    sampled = m.generate(prompt, draft=DraftConfig("autoregressive"), **kw)
+    assert m.generate(prompt, draft=DraftConfig("early-exit", exit_layer=8, num_speculations=3), **kw).token_ids == sampled.token_ids
+    assert default_model.generate(prompt, strategy="autoregressive", **kw).token_ids == sampled.token_ids
