@@ -34,7 +34,9 @@ def plan_of(cfg: DraftConfig) -> Plan:
         raise SelfSpecError(f"backend compiled: {host[0]} is not supported (a step drafts a fixed K over the full head)")
     if cfg.strategy == "autoregressive" or not cfg.speculative:
         return Plan("autoregressive")
-    k = min(cfg.num_speculations, MAX_SPECULATIONS - 1)  # K + 1 rows fit the largest bucket
+    k = cfg.num_speculations
+    if k + 1 > MAX_SPECULATIONS:  # K + 1 verify rows must fit the largest bucket
+        raise SelfSpecError(f"backend compiled: num_speculations must be at most {MAX_SPECULATIONS - 1}, got {k}")
     if cfg.strategy == "early-exit":
         return Plan("early-exit", k=k, exit_layer=cfg.exit_layer)
     return Plan("layer-skip", k=k, skip_attn=frozenset(cfg.skip_attn), skip_mlp=frozenset(cfg.skip_mlp))
