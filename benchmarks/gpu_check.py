@@ -6,8 +6,13 @@
 3. Speed (bf16): a random-weight Llama-shaped model (~1B params) whose layers >= E are
    zeroed (an ideal early-exit drafter): selfspec AR vs transformers generate, and
    early-exit / layer-skip speedups over AR, side by side in one run.
+4. The compiled backend (selfspec/compiled, issue 53), on the Gemma-3-270M and Llama-1.1B shapes
+   (layers >= 6 zeroed): transformers generate with the static cache (compiled, CUDA graphs) vs
+   the compiled step autoregressive and early exit E=6 K=8 (ideal drafter), and a batch of 8 vs
+   transformers' eager batch of 8; exactness: early exit = autoregressive, batch rows = solo.
+   Targets: AR >= 1.0x, early exit >= 3x the static cache; batch 8 >= 2x the eager batch.
 
-    python benchmarks/gpu_check.py [--out results.json]
+    python benchmarks/gpu_check.py [--out results.json] [--only compiled]
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import transformers
 from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config
 
 import selfspec
+import selfspec.compiled
 from selfspec.config import DraftConfig
 
 
@@ -115,15 +121,78 @@ def speed(report, max_new=128):
         print(f"{k:36s} {tps:8.1f} tok/s  {tps / ar:5.2f}x of selfspec AR  identical={same.get(k)}", flush=True)
 
 
+def ideal_model(cfg, E=6):
+    """A random-weight bf16 model on CUDA whose layers >= E add nothing (an ideal early exit at E)."""
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        for L in hf.model.layers[E:]:
+            L.self_attn.o_proj.weight.zero_()
+            L.mlp.down_proj.weight.zero_()
+    return hf
+
+
+def _timed(fn, reps=3):
+    """(median seconds of reps calls after one warm-up call, the last result)."""
+    fn()
+    times, out = [], None
+    for _ in range(reps):
+        torch.cuda.synchronize(); t = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize(); times.append(time.perf_counter() - t)
+    return statistics.median(times), out
+
+
+def compiled(report, max_new=128, E=6):
+    shapes = {"gemma-3-270m": Gemma3TextConfig(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                                               num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
+                                               query_pre_attn_scalar=256, max_position_embeddings=32768),
+              "llama-1.1b": LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                                        num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048)}
+    for name, cfg in shapes.items():
+        hf = ideal_model(cfg, E)
+        m = selfspec.compiled.CompiledModel(selfspec.load(hf, dtype="bfloat16", device="cuda"))
+        prompt = list(range(100, 164))
+        prompts = [list(range(100 + 7 * i, 164 + 5 * i)) for i in range(8)]
+        x = torch.tensor([prompt], device="cuda")
+        kw = dict(max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+        with torch.inference_mode():
+            t_static, _ = _timed(lambda: hf.generate(x, cache_implementation="static", **kw))
+            xb = torch.tensor([p[:64] for p in prompts], device="cuda")
+            t_eager8, _ = _timed(lambda: hf.generate(xb, **kw))
+        ar = DraftConfig("autoregressive")
+        ee = DraftConfig("early-exit", exit_layer=E, num_speculations=8)
+        t_ar, r_ar = _timed(lambda: m.generate(prompt, max_new_tokens=max_new, draft=ar))
+        t_ee, r_ee = _timed(lambda: m.generate(prompt, max_new_tokens=max_new, draft=ee))
+        t_b8, r_b8 = _timed(lambda: m.generate_batch(prompts, max_new_tokens=max_new, draft=ee))
+        t_b8ar, _ = _timed(lambda: m.generate_batch(prompts, max_new_tokens=max_new, draft=ar))
+        solo = [m.generate(p, max_new_tokens=max_new, draft=ar).token_ids for p in prompts]
+        row = {"transformers static cache tok/s": max_new / t_static, "transformers eager batch 8 tok/s": 8 * max_new / t_eager8,
+               "compiled AR tok/s": max_new / t_ar, "compiled early exit K=8 tok/s": max_new / t_ee,
+               "compiled batch 8 early exit K=8 tok/s": sum(len(r.token_ids) for r in r_b8) / t_b8,
+               "compiled batch 8 AR tok/s": 8 * max_new / t_b8ar,
+               "exact early exit = AR": r_ee.token_ids == r_ar.token_ids, "exact batch rows = solo": [r.token_ids for r in r_b8] == solo}
+        row["AR vs static (target >= 1.0)"] = row["compiled AR tok/s"] / row["transformers static cache tok/s"]
+        row["early exit vs static (target >= 3)"] = row["compiled early exit K=8 tok/s"] / row["transformers static cache tok/s"]
+        row["batch 8 vs eager batch (target >= 2)"] = row["compiled batch 8 early exit K=8 tok/s"] / row["transformers eager batch 8 tok/s"]
+        report["compiled"][name] = row
+        for k, v in row.items():
+            print(f"{name:14s} {k:42s} {v:.2f}" if isinstance(v, float) else f"{name:14s} {k:42s} {v}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu_check.json")
+    ap.add_argument("--only", choices=["compiled"], default=None, help="run only the compiled backend's side by side")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "transformers", transformers.__version__, flush=True)
-    report = {"device": torch.cuda.get_device_name(), "invariance": {}, "equality": {}, "speed": {}}
-    invariance(report)
-    equality(report)
-    speed(report)
+    report = {"device": torch.cuda.get_device_name(), "invariance": {}, "equality": {}, "speed": {}, "compiled": {}}
+    if args.only is None:
+        invariance(report)
+        equality(report)
+        speed(report)
+    compiled(report)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
 
