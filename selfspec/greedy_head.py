@@ -52,6 +52,7 @@ class ScreenedHead:
         self.head, self.qhead, self.ab = head, qhead, ab  # ab [2, V] fp32: alpha, beta (rounded up)
         self.pairs = isinstance(head, kernels.PackedWeight) and head.pairs
         self.rows = self.candidates = self.computed = self.full_rows = 0  # counters: what screening did (computed: exactly)
+        self.picks = self.pick_candidates = self.pick_computed = self.pick_full = 0  # the same for sampled_head.py's picks
 
     @classmethod
     def make(cls, head) -> ScreenedHead | None:

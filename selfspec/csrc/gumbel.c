@@ -180,6 +180,19 @@ static inline void consider(best_t *b, float s, long j) {
  * hb = floor(b / 2^8) (w's first part). So where 2^-24 hb > e^-d (with d less its rounding,
  * a slack of 0.01 in log2, and d > 3, past the log branch's g <= 2.75), the candidate cannot
  * win and needs no logarithm: of the candidates at d only a share ~e^-d gets them. */
+/* lanes of scores x + g (g: the noise of bits) that may reach best: all but those whose bits
+ * prove g < best - x (below) */
+static inline i32x8 may_reach(f32x8 x, u32x8 bits, float best_s) {
+    f32x8 best = fill(best_s);
+    f32x8 ax = sel(x < 0.0f, -x, x), ab = sel(best < 0.0f, -best, best);
+    f32x8 d = (best - x) - (ab + ax + 1.0f) * 0x1p-18f;            /* at most d, surely */
+    i32x8 hb = (i32x8)(bits >> 8);
+    f32x8 fh = __builtin_convertvector(hb, f32x8);                  /* exact: < 2^24 */
+    f32x8 lg = __builtin_convertvector((((i32x8)fh >> 23) & 0xFF) - 127, f32x8);  /* floor(log2 hb) */
+    i32x8 out = (d > 3.0f) & (hb > 0) & (lg > d * -1.44269504f + 24.01f);
+    return ~out & (x > -INFINITY);
+}
+
 static void score_chunk(nkey_t k, const int32_t *ent, const float *xs, const int64_t *tok, long n, best_t *b) {
     for (long i = 0; i < n; i += 8) {
         u64x8 c0, word;
@@ -188,14 +201,7 @@ static void score_chunk(nkey_t k, const int32_t *ent, const float *xs, const int
         f32x8 x = fill(-INFINITY);
         if (i + 8 <= n) memcpy(&x, xs + i, sizeof(x));
         else for (int j = 0; i + j < n; j++) x[j] = xs[i + j];
-        f32x8 best = fill(b->s);
-        f32x8 ax = sel(x < 0.0f, -x, x), ab = sel(best < 0.0f, -best, best);
-        f32x8 d = (best - x) - (ab + ax + 1.0f) * 0x1p-18f;            /* at most d, surely */
-        i32x8 hb = (i32x8)(bits >> 8);
-        f32x8 fh = __builtin_convertvector(hb, f32x8);                  /* exact: < 2^24 */
-        f32x8 lg = __builtin_convertvector((((i32x8)fh >> 23) & 0xFF) - 127, f32x8);  /* floor(log2 hb) */
-        i32x8 out = (d > 3.0f) & (hb > 0) & (lg > d * -1.44269504f + 24.01f);
-        i32x8 live = ~out & (x > -INFINITY);
+        i32x8 live = may_reach(x, bits, b->s);
         if (!(live[0] | live[1] | live[2] | live[3] | live[4] | live[5] | live[6] | live[7])) continue;
         f32x8 s = x + gumbel_v(bits);
         for (int j = 0; j < 8; j++)
@@ -255,4 +261,49 @@ long selfspec_gumbel_pick(const float *l, long n, float T, float tau, const int6
     free(ent); free(xs); free(tok);
     if (score) *score = b.s;
     return b.j;
+}
+
+/* The entries that may reach a score: {j : fl(x_j + g(seed, pos, j)) >= thr}, x_j = u_j / T
+ * (fp32 division; T 1: none), u [n] finite (bounds on logits: selfspec/sampled_head.py), in
+ * increasing j into out (at most cap). An entry outside is surely below thr: fl(x_j + GMAX) <
+ * thr, or its bits bound its noise below thr - x_j (score_chunk). Returns how many (more than
+ * cap: only the first cap written), or -2 when out of memory. */
+long selfspec_gumbel_reach(const float *u, long n, float T, uint64_t seed, int64_t pos, float thr, int32_t *out, long cap) {
+    int div = T != 1.0f;
+    nkey_t k = key_of(seed, pos);
+    int32_t *ent = (int32_t *)malloc(sizeof(int32_t) * (CHUNK + 16));
+    float *xs = (float *)malloc(sizeof(float) * (CHUNK + 16));
+    int64_t *tok = (int64_t *)malloc(sizeof(int64_t) * (CHUNK + 16));
+    if (!ent || !xs || !tok) { free(ent); free(xs); free(tok); return -2; }
+    vf16 vT = vf_set1(T), vg = vf_set1(GMAX), vthr = vf_set1(thr);
+    long found = 0, c = 0;
+    for (long i = 0; i < n; i += 16) {
+        m16 mk = lanes16(n - i);
+        vf16 x = vf_mask_loadu(vf_set1(-INFINITY), mk, u + i);
+        if (div) x = vf_div(x, vT);
+        m16 in = vf_cmp_ge(vf_add(x, vg), vthr) & mk;
+        if (in) c += vf_compress_store(xs + c, ent + c, in, x, (int32_t)i);
+        if (c && (c >= CHUNK || i + 16 >= n)) {
+            for (long j = 0; j < c; j += 8) {
+                long m = c - j < 8 ? c - j : 8;
+                for (long q = 0; q < m; q++) tok[j + q] = ent[j + q];
+                u64x8 c0, word;
+                load_tokens(tok + j, 0, m, &c0, &word);
+                u32x8 bits = bits_v(k.k0, k.k1, k.plo, k.phi, c0, word);
+                f32x8 xv = fill(-INFINITY);
+                for (long q = 0; q < m; q++) xv[q] = xs[j + q];
+                i32x8 live = may_reach(xv, bits, thr);
+                if (!(live[0] | live[1] | live[2] | live[3] | live[4] | live[5] | live[6] | live[7])) continue;
+                f32x8 s = xv + gumbel_v(bits);
+                for (long q = 0; q < m; q++)
+                    if (live[q] && s[q] >= thr) {
+                        if (found < cap) out[found] = ent[j + q];
+                        found++;
+                    }
+            }
+            c = 0;
+        }
+    }
+    free(ent); free(xs); free(tok);
+    return found;
 }

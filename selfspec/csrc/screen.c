@@ -24,6 +24,7 @@
  * far above double's rounding. Only the candidates get exact chains (selfspec_exact_columns):
  * a decode step reads the int8 head (half the bytes) instead of the bf16 one.
  */
+#include <float.h>
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -514,4 +515,25 @@ int selfspec_screen_quantize(long K, long N, const void *w, int w_bf16, int layo
     squant_job job = {K, N, NB, K4, w, w_bf16, layout, g_k, g_b, q, scale, ab, 0};
     ss_parallel(screen_team(K * N, nthreads), squant_region, &job);
     return job.bad ? 3 : 0;
+}
+
+/* ---- interval bounds on every logit, for the screened Gumbel-max pick (selfspec/sampled_head.py)
+ * One row: lo[v] <= l[v] <= up[v] for the logit l[v] the head computes (rounded to bf16 when
+ * round_out, as gemm.c rounds a bf16 output), from a[v] -+ E[v] (the bound above). The fp32
+ * values are pushed outward by 2^-22 of their size before the conversion from double (which
+ * moves a value by at most 2^-24 of it), then rounded to bf16 when round_out: rounding to
+ * nearest is monotone, so bf16(lo) <= bf16(l) <= bf16(up). Returns 0, or 1 when a bound is not
+ * finite (the caller computes the row in full). */
+int selfspec_screen_bounds(long V, const float *a, const float *ab, double xn, double dxn, int round_out, float *lo, float *up) {
+    if (!(xn < 1e15 && dxn < 1e15)) return 1;
+    const float *al = ab, *be = ab + V;
+    int bad = 0;
+    for (long v = 0; v < V; v++) {
+        double e = sc_e(xn, dxn, al, be, v), u = (double)a[v] + e, l = (double)a[v] - e;
+        float fu = (float)(u + fabs(u) * 0x1p-22 + SCREEN_TINY), fl = (float)(l - fabs(l) * 0x1p-22 - SCREEN_TINY);
+        bad |= !(fabsf(fu) <= FLT_MAX) | !(fabsf(fl) <= FLT_MAX);
+        up[v] = round_out ? sc_bf16_to_f32(sc_f32_to_bf16(fu)) : fu;
+        lo[v] = round_out ? sc_bf16_to_f32(sc_f32_to_bf16(fl)) : fl;
+    }
+    return bad;
 }

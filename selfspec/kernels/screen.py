@@ -127,3 +127,25 @@ def screen_quantize(w: PackedWeight | torch.Tensor, g_k: float, g_b: float) -> t
     if rc:
         raise RuntimeError(f"kernels.screen_quantize: returned {rc}")
     return QuantizedWeight(q, scale, None, k, n, bits=8), ab
+
+
+def screen_bounds(a: torch.Tensor, ab: torch.Tensor, xn: float, dxn: float, round_out: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One row's interval bounds on the head's logits: a [V] fp32 (screen_qgemm's row), ab [2, V]
+    (alpha, beta), xn / dxn its act_residual -> (lo, up) fp32 [V] with lo <= logit <= up for
+    every column (bf16-rounded logits when round_out); None when a bound is not finite."""
+    a, ab = a.contiguous(), ab.contiguous()
+    v = a.shape[0]
+    lo, up = torch.empty(v, dtype=torch.float32), torch.empty(v, dtype=torch.float32)
+    rc = _dll().selfspec_screen_bounds(v, a.data_ptr(), ab.data_ptr(), xn, dxn, int(round_out), lo.data_ptr(), up.data_ptr())
+    return None if rc else (lo, up)
+
+
+def gumbel_reach(u: torch.Tensor, temperature: float, key: int, pos: int, thr: float, cap: int) -> torch.Tensor | None:
+    """The entries j of u [V] (fp32 bounds on logits; entry j is token j) whose score
+    fl(u_j / T + g(key, pos, j)) may reach thr (csrc/gumbel.c selfspec_gumbel_reach), int32
+    ascending; None when there are more than cap."""
+    out = torch.empty(cap, dtype=torch.int32)
+    n = _dll().selfspec_gumbel_reach(u.data_ptr(), u.shape[0], temperature, key, pos, thr, out.data_ptr(), cap)
+    if n == -2:
+        raise MemoryError("kernels.gumbel_reach: out of memory")
+    return None if n > cap else out[:n]
