@@ -7,8 +7,9 @@ the int8 copy; here those bounds carry through the score, because every step of 
 (fp32 division by T > 0 and addition round to nearest):
 
     lo_v <= l_v <= up_v                  (kernels.screen_bounds: the greedy screen's bound, outward)
-    thr  = max_v fl(fl(lo_v / T) + g_v)  <= max_v s_v                (one pick over lo)
-    cand = { v : fl(fl(up_v / T) + g_v) >= thr }   holds every v with s_v = max s  (gumbel_reach)
+    thr  = max_v fl(fl(lo_v / T) + g_v)  <= max_v s_v
+    cand = { v : fl(fl(up_v / T) + g_v) >= thr }   holds every v with s_v = max s
+    (both in one pass, csrc/gumbel.c selfspec_gumbel_reach: noise only where a score can reach thr)
     the pick over cand's exact logits (the very chains of the head) = the pick over all V
 
 A token outside cand has s_v <= fl(fl(up_v / T) + g_v) < thr <= max s: it can neither win nor
@@ -33,7 +34,7 @@ import torch
 
 from selfspec import kernels
 from selfspec.config import SamplingConfig
-from selfspec.coupling import LazyRow, gumbel_noise, pick_entries
+from selfspec.coupling import LazyRow, pick_entries
 from selfspec.greedy_head import ScreenedHead
 from selfspec.kernels.screen import act_residual, exact_columns, gumbel_reach, screen_bounds, screen_qgemm
 
@@ -116,17 +117,13 @@ class HeadRow(LazyRow):
         return self._temperature(bounds, cfg.temperature, key, pos)
 
     def _temperature(self, bounds: tuple[torch.Tensor, torch.Tensor], temperature: float, key: int, pos: int) -> int | None:
-        lo, up = bounds
-        thr = _c_score(lo, temperature, None, key, pos)  # the best score of lo: <= the best exact score
-        if thr is None:
+        reach = gumbel_reach(*bounds, temperature, key, pos, CAP)  # every token whose upper score reaches the best lower one
+        if reach is None:
             return None
-        cand = gumbel_reach(up, temperature, key, pos, thr, CAP)
-        if cand is None:
-            return None
+        cand, s_up, _ = reach
         self.rows.screen.pick_candidates += len(cand)
         ids = cand.long()
         if len(cand) > ROUND:  # round 1: the ROUND of largest upper score; their best exact score prunes the rest
-            s_up = up[ids] / temperature + gumbel_noise(key, pos, ids)  # fl(fl(up / T) + g): >= the exact score
             first = s_up.topk(ROUND).indices.sort().values
             vals = self.rows.exact(self.i, cand[first])
             best = None if vals is None else _c_score(vals, temperature, ids[first], key, pos)
