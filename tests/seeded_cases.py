@@ -15,6 +15,9 @@ from pathlib import Path
 
 import torch
 
+import selfspec
+from selfspec.tools.builtin_sets import builtin_set
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 import helpers  # noqa: E402
@@ -52,8 +55,6 @@ def prompts() -> list[list[int]]:
 
 
 def default_prompts() -> list[str]:
-    from selfspec.tools.builtin_sets import builtin_set  # the tests' import path stays light
-
     return [builtin_set("code", 1, 0, 0).samples[0].prompt, builtin_set("chat", 1, 0, 0).samples[0].prompt]
 
 
@@ -90,8 +91,6 @@ def main(argv: list[str]) -> None:
     if "tiny" in argv:
         data["tiny"] = {f"{a}|{d}": tiny_outputs(tiny_model(helpers.load_tiny, a, d)) for a in ARCHS for d in DTYPES}
     if "default" in argv:
-        import selfspec  # noqa: F401 (already imported by helpers)
-
         data["default_bf16"] = default_outputs(selfspec.load("gemma-3-270m", dtype="bfloat16"))
     DATA.parent.mkdir(exist_ok=True)
     DATA.write_text(json.dumps(data, separators=(",", ":")) + "\n")
