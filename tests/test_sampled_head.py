@@ -14,9 +14,9 @@ import torch
 import seeded_cases
 from selfspec import kernels, sampled_head
 from selfspec.config import SamplingConfig
-from selfspec.coupling import gumbel_token
+from selfspec.coupling import gumbel_noise, gumbel_token
 from selfspec.greedy_head import ScreenedHead, screened_head
-from selfspec.kernels.screen import screen_bounds
+from selfspec.kernels.screen import gumbel_reach, screen_bounds
 
 from test_greedy_head import LAYOUTS, _full, _head, _rows
 from test_kernels import needs_kernels
@@ -99,6 +99,24 @@ def test_bounds_hold_and_a_tightened_bound_is_caught(monkeypatch):
     monkeypatch.setattr(sampled_head, "screen_bounds", lambda a, ab, xn, dxn, r: real(a, ab * 1e-3, xn, dxn, r))
     got, want = _both(w, x, SamplingConfig(temperature=1.0), keys=range(40))
     assert got != want
+
+
+def test_reach_is_the_same_on_any_number_of_threads():
+    """A vocabulary's candidates split among threads merge to the one-thread set, exactly
+    {upper score >= the best lower score}, checked against the noise itself."""
+    g = torch.Generator().manual_seed(3)
+    up = torch.randn(262_144, generator=g) * 3
+    up[::1000] += 8  # a head of likely winners
+    lo = up - torch.rand(262_144, generator=g) * 2
+    for t, key in ((1.0, 1), (0.7, 2)):
+        one = gumbel_reach(lo, up, t, key, 5, 4096, threads=1)
+        for n in (2, 3, 4):
+            many = gumbel_reach(lo, up, t, key, 5, 4096, threads=n)
+            assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1]) and one[2] == many[2]
+        noise = gumbel_noise(key, 5, torch.arange(262_144))
+        s_up, s_lo = up / t + noise, lo / t + noise
+        assert one[2] == float(s_lo.max())
+        assert torch.equal(one[0].long(), (s_up >= one[2]).nonzero().flatten())
 
 
 def _force_screen(model) -> ScreenedHead:

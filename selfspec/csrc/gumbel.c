@@ -27,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "simd.h"
+#include "pool.h"
 
 #define PH_M0 0xD2511F53u
 #define PH_M1 0xCD9E8D57u
@@ -277,15 +278,19 @@ static long keep_reaching(int32_t *out, float *us, long n, float thr) {
  * most cap) and su_j into us; *thr_out = thr. One pass: thr runs up as lower scores are seen
  * (every value it takes is some sl_j, so at most the final thr), and an entry is dropped only
  * when its upper score is surely below the running thr: fl(x + GMAX) < thr, or its bits bound
- * its noise below thr - x (may_reach). Returns how many (cap + 1: more than cap), -1 when lo
- * has no finite entry, -2 when out of memory. */
-long selfspec_gumbel_reach(const float *lo, const float *up, long n, float T, uint64_t seed, int64_t pos, int32_t *out,
-                           float *us, long cap, float *thr_out) {
+ * its noise below thr - x (may_reach). The token of the largest sl is never dropped (its su >=
+ * sl >= any running thr), so thr ends at max sl and the set is exactly {su >= max sl}, however
+ * the entries are split among threads (each runs its share [i0, n), then the shares merge).
+ * Returns how many (cap + 1: more than cap), -1 when lo has no finite entry, -2 when out of
+ * memory. */
+static long reach_range(const float *lo, const float *up, long i0, long n, float T, uint64_t seed, int64_t pos, int32_t *out,
+                        float *us, long cap, float *thr_out) {
     int div = T != 1.0f;
     nkey_t k = key_of(seed, pos);
     float m = -INFINITY;
     long jm = -1;
-    for (long i = 0; i < n; i++) {  /* the first bound: the lower score of the largest lo */
+    *thr_out = -INFINITY;
+    for (long i = i0; i < n; i++) {  /* the first bound: the lower score of the largest lo */
         float x = div ? lo[i] / T : lo[i];
         if (x > m && x < INFINITY) { m = x; jm = i; }
     }
@@ -300,7 +305,7 @@ long selfspec_gumbel_reach(const float *lo, const float *up, long n, float T, ui
     if (!ent || !xs || !tok) { free(ent); free(xs); free(tok); return -2; }
     vf16 vT = vf_set1(T), vg = vf_set1(GMAX);
     long found = 0, c = 0;
-    for (long i = 0; i < n; i += 16) {
+    for (long i = i0; i < n; i += 16) {
         m16 mk = lanes16(n - i);
         vf16 x = vf_mask_loadu(vf_set1(-INFINITY), mk, up + i);
         if (div) x = vf_div(x, vT);
@@ -337,4 +342,57 @@ long selfspec_gumbel_reach(const float *lo, const float *up, long n, float T, ui
     free(ent); free(xs); free(tok);
     *thr_out = thr;
     return keep_reaching(out, us, found, thr);
+}
+
+typedef struct {
+    const float *lo, *up;
+    long n, cap;
+    float T;
+    uint64_t seed;
+    int64_t pos;
+    int32_t *out;
+    float *us, *thr;
+    long *found;
+} reach_job;
+
+static void reach_region(void *ctx, int t, int nt) {
+    reach_job *j = (reach_job *)ctx;
+    long i0, i1;
+    ss_share(j->n / 16, t, nt, &i0, &i1);  /* whole 16-entry blocks; the last share takes the tail */
+    i0 *= 16;
+    i1 = t == nt - 1 ? j->n : i1 * 16;
+    j->found[t] = reach_range(j->lo, j->up, i0, i1, j->T, j->seed, j->pos, j->out + (size_t)t * (size_t)j->cap,
+                              j->us + (size_t)t * (size_t)j->cap, j->cap, j->thr + t);
+}
+
+long selfspec_gumbel_reach(const float *lo, const float *up, long n, float T, uint64_t seed, int64_t pos, int32_t *out,
+                           float *us, long cap, float *thr_out, int nthreads) {
+    int nt = n < 65536 ? 1 : ss_threads(nthreads);
+    if (nt > 4) nt = 4;
+    if (nt <= 1) return reach_range(lo, up, 0, n, T, seed, pos, out, us, cap, thr_out);
+    int32_t *o = (int32_t *)malloc(sizeof(int32_t) * (size_t)nt * (size_t)cap);
+    float *u = (float *)malloc(sizeof(float) * (size_t)nt * (size_t)cap);
+    float thr[4];
+    long found[4];
+    if (!o || !u) { free(o); free(u); return -2; }
+    reach_job job = {lo, up, n, cap, T, seed, pos, o, u, thr, found};
+    ss_parallel(nt, reach_region, &job);
+    float best = -INFINITY;
+    long rc = -1;
+    for (int t = 0; t < nt; t++) {
+        if (found[t] == -2 || found[t] == cap + 1) rc = found[t];
+        if (found[t] >= 0 && thr[t] > best) best = thr[t];
+    }
+    long c = 0;
+    for (int t = 0; rc == -1 && t < nt && c <= cap; t++)
+        for (long i = 0; i < found[t] && c <= cap; i++) {
+            if (!(u[(size_t)t * cap + i] >= best)) continue;
+            if (c == cap) { c = cap + 1; break; }
+            out[c] = o[(size_t)t * cap + i];
+            us[c++] = u[(size_t)t * cap + i];
+        }
+    free(o); free(u);
+    if (rc != -1) return rc;
+    *thr_out = best;
+    return best == -INFINITY ? -1 : c;
 }

@@ -156,7 +156,7 @@ def _load():
                                                    + [ctypes.c_void_p] * 2)
             dll.selfspec_gumbel_reach.restype = ctypes.c_long
             dll.selfspec_gumbel_reach.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_long, ctypes.c_float, ctypes.c_uint64, ctypes.c_int64]
-                                                  + [ctypes.c_void_p] * 2 + [ctypes.c_long, ctypes.c_void_p])
+                                                  + [ctypes.c_void_p] * 2 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_int])
             _lib = (fn, ref)
             _blocks.update(layers=dll.selfspec_layers_batch, step_argmax=dll.selfspec_step_argmax,
                            norm_rows=dll.selfspec_norm_rows, softcap=dll.selfspec_softcap,

@@ -140,15 +140,15 @@ def screen_bounds(a: torch.Tensor, ab: torch.Tensor, xn: float, dxn: float, roun
     return None if rc else (lo, up)
 
 
-def gumbel_reach(lo: torch.Tensor, up: torch.Tensor, temperature: float, key: int, pos: int,
-                 cap: int) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+def gumbel_reach(lo: torch.Tensor, up: torch.Tensor, temperature: float, key: int, pos: int, cap: int,
+                 threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor, float] | None:
     """The screened Gumbel-max pick's candidates from bounds lo <= logits <= up ([V] fp32; entry j
     is token j; csrc/gumbel.c selfspec_gumbel_reach): (entries int32 ascending, their upper
     scores fl(fl(up / T) + g) fp32, thr = the best lower score); every entry whose upper score
     reaches thr is there. None when there are more than cap, or lo has no finite entry."""
     out, us, thr = torch.empty(cap, dtype=torch.int32), torch.empty(cap, dtype=torch.float32), torch.empty(1, dtype=torch.float32)
     n = _dll().selfspec_gumbel_reach(lo.data_ptr(), up.data_ptr(), lo.shape[0], temperature, key, pos, out.data_ptr(),
-                                     us.data_ptr(), cap, thr.data_ptr())
+                                     us.data_ptr(), cap, thr.data_ptr(), _pool.threads() if threads is None else threads)
     if n == -2:
         raise MemoryError("kernels.gumbel_reach: out of memory")
     return None if n < 0 or n > cap else (out[:n], us[:n], float(thr))
