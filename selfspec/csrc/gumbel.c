@@ -27,7 +27,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include "simd.h"
-#include "pool.h"
 
 #define PH_M0 0xD2511F53u
 #define PH_M1 0xCD9E8D57u
@@ -280,10 +279,11 @@ static long keep_reaching(int32_t *out, float *us, long n, float thr) {
  * when its upper score is surely below the running thr: fl(x + GMAX) < thr, or its bits bound
  * its noise below thr - x (may_reach). The token of the largest sl is never dropped (its su >=
  * sl >= any running thr), so thr ends at max sl and the set is exactly {su >= max sl}, however
- * the entries are split among threads (each runs its share [i0, n), then the shares merge).
+ * the entries are split among threads (each runs its share [i0, n), then csrc/screen.c's
+ * selfspec_gumbel_reach merges the shares: gumbel.c builds alone, without the pool).
  * Returns how many (cap + 1: more than cap), -1 when lo has no finite entry, -2 when out of
  * memory. */
-static long reach_range(const float *lo, const float *up, long i0, long n, float T, uint64_t seed, int64_t pos, int32_t *out,
+long selfspec_gumbel_reach_range(const float *lo, const float *up, long i0, long n, float T, uint64_t seed, int64_t pos, int32_t *out,
                         float *us, long cap, float *thr_out) {
     int div = T != 1.0f;
     nkey_t k = key_of(seed, pos);
@@ -344,55 +344,3 @@ static long reach_range(const float *lo, const float *up, long i0, long n, float
     return keep_reaching(out, us, found, thr);
 }
 
-typedef struct {
-    const float *lo, *up;
-    long n, cap;
-    float T;
-    uint64_t seed;
-    int64_t pos;
-    int32_t *out;
-    float *us, *thr;
-    long *found;
-} reach_job;
-
-static void reach_region(void *ctx, int t, int nt) {
-    reach_job *j = (reach_job *)ctx;
-    long i0, i1;
-    ss_share(j->n / 16, t, nt, &i0, &i1);  /* whole 16-entry blocks; the last share takes the tail */
-    i0 *= 16;
-    i1 = t == nt - 1 ? j->n : i1 * 16;
-    j->found[t] = reach_range(j->lo, j->up, i0, i1, j->T, j->seed, j->pos, j->out + (size_t)t * (size_t)j->cap,
-                              j->us + (size_t)t * (size_t)j->cap, j->cap, j->thr + t);
-}
-
-long selfspec_gumbel_reach(const float *lo, const float *up, long n, float T, uint64_t seed, int64_t pos, int32_t *out,
-                           float *us, long cap, float *thr_out, int nthreads) {
-    int nt = n < 65536 ? 1 : ss_threads(nthreads);
-    if (nt > 4) nt = 4;
-    if (nt <= 1) return reach_range(lo, up, 0, n, T, seed, pos, out, us, cap, thr_out);
-    int32_t *o = (int32_t *)malloc(sizeof(int32_t) * (size_t)nt * (size_t)cap);
-    float *u = (float *)malloc(sizeof(float) * (size_t)nt * (size_t)cap);
-    float thr[4];
-    long found[4];
-    if (!o || !u) { free(o); free(u); return -2; }
-    reach_job job = {lo, up, n, cap, T, seed, pos, o, u, thr, found};
-    ss_parallel(nt, reach_region, &job);
-    float best = -INFINITY;
-    long rc = -1;
-    for (int t = 0; t < nt; t++) {
-        if (found[t] == -2 || found[t] == cap + 1) rc = found[t];
-        if (found[t] >= 0 && thr[t] > best) best = thr[t];
-    }
-    long c = 0;
-    for (int t = 0; rc == -1 && t < nt && c <= cap; t++)
-        for (long i = 0; i < found[t] && c <= cap; i++) {
-            if (!(u[(size_t)t * cap + i] >= best)) continue;
-            if (c == cap) { c = cap + 1; break; }
-            out[c] = o[(size_t)t * cap + i];
-            us[c++] = u[(size_t)t * cap + i];
-        }
-    free(o); free(u);
-    if (rc != -1) return rc;
-    *thr_out = best;
-    return best == -INFINITY ? -1 : c;
-}

@@ -537,3 +537,61 @@ int selfspec_screen_bounds(long V, const float *a, const float *ab, double xn, d
     }
     return bad;
 }
+
+/* ---- the screened Gumbel-max pick's candidates on the pool's threads (csrc/gumbel.c's
+ * selfspec_gumbel_reach_range explains the set; each thread runs a share, the shares merge) */
+long selfspec_gumbel_reach_range(const float *lo, const float *up, long i0, long n, float T, uint64_t seed, int64_t pos,
+                                 int32_t *out, float *us, long cap, float *thr_out);
+
+typedef struct {
+    const float *lo, *up;
+    long n, cap;
+    float T;
+    uint64_t seed;
+    int64_t pos;
+    int32_t *out;
+    float *us, *thr;
+    long *found;
+} reach_job;
+
+static void reach_region(void *ctx, int t, int nt) {
+    reach_job *j = (reach_job *)ctx;
+    long i0, i1;
+    ss_share(j->n / 16, t, nt, &i0, &i1);  /* whole 16-entry blocks; the last share takes the tail */
+    i0 *= 16;
+    i1 = t == nt - 1 ? j->n : i1 * 16;
+    j->found[t] = selfspec_gumbel_reach_range(j->lo, j->up, i0, i1, j->T, j->seed, j->pos, j->out + (size_t)t * (size_t)j->cap,
+                              j->us + (size_t)t * (size_t)j->cap, j->cap, j->thr + t);
+}
+
+long selfspec_gumbel_reach(const float *lo, const float *up, long n, float T, uint64_t seed, int64_t pos, int32_t *out,
+                           float *us, long cap, float *thr_out, int nthreads) {
+    int nt = n < 65536 ? 1 : ss_threads(nthreads);
+    if (nt > 4) nt = 4;
+    if (nt <= 1) return selfspec_gumbel_reach_range(lo, up, 0, n, T, seed, pos, out, us, cap, thr_out);
+    int32_t *o = (int32_t *)malloc(sizeof(int32_t) * (size_t)nt * (size_t)cap);
+    float *u = (float *)malloc(sizeof(float) * (size_t)nt * (size_t)cap);
+    float thr[4];
+    long found[4];
+    if (!o || !u) { free(o); free(u); return -2; }
+    reach_job job = {lo, up, n, cap, T, seed, pos, o, u, thr, found};
+    ss_parallel(nt, reach_region, &job);
+    float best = -INFINITY;
+    long rc = -1;
+    for (int t = 0; t < nt; t++) {
+        if (found[t] == -2 || found[t] == cap + 1) rc = found[t];
+        if (found[t] >= 0 && thr[t] > best) best = thr[t];
+    }
+    long c = 0;
+    for (int t = 0; rc == -1 && t < nt && c <= cap; t++)
+        for (long i = 0; i < found[t] && c <= cap; i++) {
+            if (!(u[(size_t)t * cap + i] >= best)) continue;
+            if (c == cap) { c = cap + 1; break; }
+            out[c] = o[(size_t)t * cap + i];
+            us[c++] = u[(size_t)t * cap + i];
+        }
+    free(o); free(u);
+    if (rc != -1) return rc;
+    *thr_out = best;
+    return best == -INFINITY ? -1 : c;
+}
