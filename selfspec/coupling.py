@@ -157,10 +157,34 @@ def gumbel_max(d: Dist, key: int, pos: int) -> int:
     raise TypeError(f"no Gumbel-max pick of {type(d).__name__}")
 
 
-def gumbel_token(logits: torch.Tensor, cfg: SamplingConfig, key: int, pos: int, vocab: SubVocab | None = None) -> int:
+def pick_entries(xs: torch.Tensor, ids: torch.Tensor, key: int, pos: int, temperature: float = 1.0) -> int:
+    """The entry j of xs [n] (fp32, CPU; entry j is token ids[j], ids int64 ascending) maximising
+    fl(xs_j / T + g(key, pos, ids[j])) over its finite entries (ties: the lowest): the pick of
+    an Explicit row (T 1) or of a Softmax one, restricted to these entries."""
+    return _c_pick(xs.contiguous(), temperature, -_FLT_MAX, ids.contiguous(), key, pos)
+
+
+class LazyRow:
+    """One row of logits [V] not computed yet (sampled_head.HeadRows): gumbel_token asks it for
+    its pick first and reads full() only where it cannot decide (None)."""
+
+    def gumbel(self, cfg: SamplingConfig, key: int, pos: int) -> int | None:
+        raise NotImplementedError
+
+    def full(self) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def gumbel_token(logits: torch.Tensor | LazyRow, cfg: SamplingConfig, key: int, pos: int, vocab: SubVocab | None = None) -> int:
     """The Gumbel-max token of one row of logits [N] (entry j is token j, or vocab.ids[j]) under
     cfg with the noise of (key, pos): gumbel_max(distribution(logits, cfg, vocab), key, pos), the
-    distribution unbuilt when nothing is truncated (an argmax needs no normaliser)."""
+    distribution unbuilt when nothing is truncated (an argmax needs no normaliser). A LazyRow
+    picks it itself where it can (the same token: sampled_head.py)."""
+    if isinstance(logits, LazyRow):
+        token = logits.gumbel(cfg, key, pos) if vocab is None else None
+        if token is not None:
+            return token
+        logits = logits.full()
     if c_ready(logits) and not truncating(cfg, logits.shape[0]):
         row = logits.detach().float().contiguous()
         j = _c_pick(row, cfg.temperature, -_FLT_MAX, None if vocab is None else vocab.ids, key, pos)

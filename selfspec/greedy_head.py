@@ -20,8 +20,9 @@ decode states ~20-100 candidates a row, of which ~6-20 are computed, each a colu
 bytes spread over 320 cache lines; a row with more than CAP candidates, or with non-finite
 values, is computed by the full head instead).
 
-It gives argmax ids only (Runtime.argmax): sampling, and anything that reads probabilities,
-uses the full head.
+It gives argmax ids only (Runtime.argmax). Seeded (Gumbel-max) sampling is an argmax too and
+reads the same int8 copy through sampled_head.py; anything that reads probabilities (top-p,
+processors, logprobs, rejection sampling) uses the full head.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class ScreenedHead:
         self.head, self.qhead, self.ab = head, qhead, ab  # ab [2, V] fp32: alpha, beta (rounded up)
         self.pairs = isinstance(head, kernels.PackedWeight) and head.pairs
         self.rows = self.candidates = self.computed = self.full_rows = 0  # counters: what screening did (computed: exactly)
+        self.picks = self.pick_candidates = self.pick_computed = self.pick_full = 0  # the same for sampled_head.py's picks
 
     @classmethod
     def make(cls, head) -> ScreenedHead | None:

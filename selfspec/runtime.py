@@ -46,6 +46,7 @@ from selfspec.cache import KVCache, SegmentTable, segment_row
 from selfspec.config import MAX_SPECULATIONS
 from selfspec.errors import SelfSpecError
 from selfspec.greedy_head import screened_head
+from selfspec.sampled_head import HeadRows, head_rows
 from selfspec.quant import INT4_GROUP, quantize
 
 
@@ -441,9 +442,9 @@ class Runtime:
         return screen.argmax(x, lambda rows: self._mm(x[rows], self.head).float())
 
     def forward(self, ids: torch.Tensor, pos: int, cache: KVCache, last_only: bool = False,
-                argmax_only: bool = False) -> torch.Tensor | list[int]:
-        """Full model on ids [T] at positions pos..; returns fp32 logits [T or 1, V], or with
-        argmax_only (greedy) those rows' argmax tokens (Runtime.argmax)."""
+                argmax_only: bool = False, picks_only: bool = False) -> torch.Tensor | list[int] | HeadRows:
+        """Full model on ids [T] at positions pos..; returns fp32 logits [T or 1, V], or with argmax_only
+        (greedy) their argmax tokens (Runtime.argmax), with picks_only (Gumbel-max picks only) sampled_head's rows."""
         h = self.run_layers(self.embed(ids), 0, self.num_layers, pos, cache)
         h = h[-1:] if last_only else h
-        return self.argmax(h) if argmax_only else self.logits(h)
+        return self.argmax(h) if argmax_only else head_rows(self, h, screened_head(self)) if picks_only else self.logits(h)

@@ -180,6 +180,19 @@ static inline void consider(best_t *b, float s, long j) {
  * hb = floor(b / 2^8) (w's first part). So where 2^-24 hb > e^-d (with d less its rounding,
  * a slack of 0.01 in log2, and d > 3, past the log branch's g <= 2.75), the candidate cannot
  * win and needs no logarithm: of the candidates at d only a share ~e^-d gets them. */
+/* lanes of scores x + g (g: the noise of bits) that may reach best: all but those whose bits
+ * prove g < best - x (below) */
+static inline i32x8 may_reach(f32x8 x, u32x8 bits, float best_s) {
+    f32x8 best = fill(best_s);
+    f32x8 ax = sel(x < 0.0f, -x, x), ab = sel(best < 0.0f, -best, best);
+    f32x8 d = (best - x) - (ab + ax + 1.0f) * 0x1p-18f;            /* at most d, surely */
+    i32x8 hb = (i32x8)(bits >> 8);
+    f32x8 fh = __builtin_convertvector(hb, f32x8);                  /* exact: < 2^24 */
+    f32x8 lg = __builtin_convertvector((((i32x8)fh >> 23) & 0xFF) - 127, f32x8);  /* floor(log2 hb) */
+    i32x8 out = (d > 3.0f) & (hb > 0) & (lg > d * -1.44269504f + 24.01f);
+    return ~out & (x > -INFINITY);
+}
+
 static void score_chunk(nkey_t k, const int32_t *ent, const float *xs, const int64_t *tok, long n, best_t *b) {
     for (long i = 0; i < n; i += 8) {
         u64x8 c0, word;
@@ -188,14 +201,7 @@ static void score_chunk(nkey_t k, const int32_t *ent, const float *xs, const int
         f32x8 x = fill(-INFINITY);
         if (i + 8 <= n) memcpy(&x, xs + i, sizeof(x));
         else for (int j = 0; i + j < n; j++) x[j] = xs[i + j];
-        f32x8 best = fill(b->s);
-        f32x8 ax = sel(x < 0.0f, -x, x), ab = sel(best < 0.0f, -best, best);
-        f32x8 d = (best - x) - (ab + ax + 1.0f) * 0x1p-18f;            /* at most d, surely */
-        i32x8 hb = (i32x8)(bits >> 8);
-        f32x8 fh = __builtin_convertvector(hb, f32x8);                  /* exact: < 2^24 */
-        f32x8 lg = __builtin_convertvector((((i32x8)fh >> 23) & 0xFF) - 127, f32x8);  /* floor(log2 hb) */
-        i32x8 out = (d > 3.0f) & (hb > 0) & (lg > d * -1.44269504f + 24.01f);
-        i32x8 live = ~out & (x > -INFINITY);
+        i32x8 live = may_reach(x, bits, b->s);
         if (!(live[0] | live[1] | live[2] | live[3] | live[4] | live[5] | live[6] | live[7])) continue;
         f32x8 s = x + gumbel_v(bits);
         for (int j = 0; j < 8; j++)
@@ -256,3 +262,85 @@ long selfspec_gumbel_pick(const float *l, long n, float T, float tau, const int6
     if (score) *score = b.s;
     return b.j;
 }
+
+/* collected entries (out, their upper scores us; n of them) whose upper score reaches thr, kept in order */
+static long keep_reaching(int32_t *out, float *us, long n, float thr) {
+    long c = 0;
+    for (long i = 0; i < n; i++)
+        if (us[i] >= thr) { out[c] = out[i]; us[c] = us[i]; c++; }
+    return c;
+}
+
+/* The screened Gumbel-max pick's candidates from bounds lo [n] <= logits <= up [n] (finite;
+ * entry j is token j): with su_j = fl(fl(up_j / T) + g_j), sl_j the same of lo_j (T 1: no
+ * division) and thr = max_j sl_j, the entries {j : su_j >= thr} in increasing j into out (at
+ * most cap) and su_j into us; *thr_out = thr. One pass: thr runs up as lower scores are seen
+ * (every value it takes is some sl_j, so at most the final thr), and an entry is dropped only
+ * when its upper score is surely below the running thr: fl(x + GMAX) < thr, or its bits bound
+ * its noise below thr - x (may_reach). The token of the largest sl is never dropped (its su >=
+ * sl >= any running thr), so thr ends at max sl and the set is exactly {su >= max sl}, however
+ * the entries are split among threads (each runs its share [i0, n), then csrc/screen.c's
+ * selfspec_gumbel_reach merges the shares: gumbel.c builds alone, without the pool).
+ * Returns how many (cap + 1: more than cap), -1 when lo has no finite entry, -2 when out of
+ * memory. */
+long selfspec_gumbel_reach_range(const float *lo, const float *up, long i0, long n, float T, uint64_t seed, int64_t pos, int32_t *out,
+                        float *us, long cap, float *thr_out) {
+    int div = T != 1.0f;
+    nkey_t k = key_of(seed, pos);
+    float m = -INFINITY;
+    long jm = -1;
+    *thr_out = -INFINITY;
+    for (long i = i0; i < n; i++) {  /* the first bound: the lower score of the largest lo */
+        float x = div ? lo[i] / T : lo[i];
+        if (x > m && x < INFINITY) { m = x; jm = i; }
+    }
+    if (jm < 0) return -1;
+    int64_t t0 = jm;
+    float g0;
+    selfspec_gumbel_noise(seed, pos, &t0, 1, &g0);
+    float thr = m + g0;
+    int32_t *ent = (int32_t *)malloc(sizeof(int32_t) * (CHUNK + 16));
+    float *xs = (float *)malloc(sizeof(float) * (CHUNK + 16));
+    int64_t *tok = (int64_t *)malloc(sizeof(int64_t) * 8);
+    if (!ent || !xs || !tok) { free(ent); free(xs); free(tok); return -2; }
+    vf16 vT = vf_set1(T), vg = vf_set1(GMAX);
+    long found = 0, c = 0;
+    for (long i = i0; i < n; i += 16) {
+        m16 mk = lanes16(n - i);
+        vf16 x = vf_mask_loadu(vf_set1(-INFINITY), mk, up + i);
+        if (div) x = vf_div(x, vT);
+        m16 in = vf_cmp_ge(vf_add(x, vg), vf_set1(thr)) & mk;
+        if (in) c += vf_compress_store(xs + c, ent + c, in, x, (int32_t)i);
+        if (!c || (c < CHUNK && i + 16 < n)) continue;
+        for (long j = 0; j < c; j += 8) {
+            long w = c - j < 8 ? c - j : 8;
+            f32x8 xu = fill(-INFINITY), xl = fill(-INFINITY);
+            for (long q = 0; q < w; q++) {
+                tok[q] = ent[j + q];
+                xu[q] = xs[j + q];
+                xl[q] = div ? lo[ent[j + q]] / T : lo[ent[j + q]];
+            }
+            for (long q = w; q < 8; q++) tok[q] = 0;
+            u64x8 c0, word;
+            load_tokens(tok, 0, 8, &c0, &word);
+            u32x8 bits = bits_v(k.k0, k.k1, k.plo, k.phi, c0, word);
+            i32x8 live = may_reach(xu, bits, thr);
+            if (!(live[0] | live[1] | live[2] | live[3] | live[4] | live[5] | live[6] | live[7])) continue;
+            f32x8 g = gumbel_v(bits), su = xu + g, sl = xl + g;
+            for (long q = 0; q < w; q++) {
+                if (!live[q]) continue;
+                if (sl[q] > thr) thr = sl[q];
+                if (su[q] < thr) continue;
+                if (found == cap) found = keep_reaching(out, us, found, thr);
+                if (found == cap) { free(ent); free(xs); free(tok); return cap + 1; }
+                out[found] = ent[j + q];
+                us[found++] = su[q];
+            }
+        }
+        c = 0;
+    }
+    free(ent); free(xs); free(tok);
+    *thr_out = thr;
+    return keep_reaching(out, us, found, thr);
+}
+

@@ -24,6 +24,7 @@
  * far above double's rounding. Only the candidates get exact chains (selfspec_exact_columns):
  * a decode step reads the int8 head (half the bytes) instead of the bf16 one.
  */
+#include <float.h>
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -514,4 +515,83 @@ int selfspec_screen_quantize(long K, long N, const void *w, int w_bf16, int layo
     squant_job job = {K, N, NB, K4, w, w_bf16, layout, g_k, g_b, q, scale, ab, 0};
     ss_parallel(screen_team(K * N, nthreads), squant_region, &job);
     return job.bad ? 3 : 0;
+}
+
+/* ---- interval bounds on every logit, for the screened Gumbel-max pick (selfspec/sampled_head.py)
+ * One row: lo[v] <= l[v] <= up[v] for the logit l[v] the head computes (rounded to bf16 when
+ * round_out, as gemm.c rounds a bf16 output), from a[v] -+ E[v] (the bound above). The fp32
+ * values are pushed outward by 2^-22 of their size before the conversion from double (which
+ * moves a value by at most 2^-24 of it), then rounded to bf16 when round_out: rounding to
+ * nearest is monotone, so bf16(lo) <= bf16(l) <= bf16(up). Returns 0, or 1 when a bound is not
+ * finite (the caller computes the row in full). */
+int selfspec_screen_bounds(long V, const float *a, const float *ab, double xn, double dxn, int round_out, float *lo, float *up) {
+    if (!(xn < 1e15 && dxn < 1e15)) return 1;
+    const float *al = ab, *be = ab + V;
+    int bad = 0;
+    for (long v = 0; v < V; v++) {
+        double e = sc_e(xn, dxn, al, be, v), u = (double)a[v] + e, l = (double)a[v] - e;
+        float fu = (float)(u + fabs(u) * 0x1p-22 + SCREEN_TINY), fl = (float)(l - fabs(l) * 0x1p-22 - SCREEN_TINY);
+        bad |= !(fabsf(fu) <= FLT_MAX) | !(fabsf(fl) <= FLT_MAX);
+        up[v] = round_out ? sc_bf16_to_f32(sc_f32_to_bf16(fu)) : fu;
+        lo[v] = round_out ? sc_bf16_to_f32(sc_f32_to_bf16(fl)) : fl;
+    }
+    return bad;
+}
+
+/* ---- the screened Gumbel-max pick's candidates on the pool's threads (csrc/gumbel.c's
+ * selfspec_gumbel_reach_range explains the set; each thread runs a share, the shares merge) */
+long selfspec_gumbel_reach_range(const float *lo, const float *up, long i0, long n, float T, uint64_t seed, int64_t pos,
+                                 int32_t *out, float *us, long cap, float *thr_out);
+
+typedef struct {
+    const float *lo, *up;
+    long n, cap;
+    float T;
+    uint64_t seed;
+    int64_t pos;
+    int32_t *out;
+    float *us, *thr;
+    long *found;
+} reach_job;
+
+static void reach_region(void *ctx, int t, int nt) {
+    reach_job *j = (reach_job *)ctx;
+    long i0, i1;
+    ss_share(j->n / 16, t, nt, &i0, &i1);  /* whole 16-entry blocks; the last share takes the tail */
+    i0 *= 16;
+    i1 = t == nt - 1 ? j->n : i1 * 16;
+    j->found[t] = selfspec_gumbel_reach_range(j->lo, j->up, i0, i1, j->T, j->seed, j->pos, j->out + (size_t)t * (size_t)j->cap,
+                              j->us + (size_t)t * (size_t)j->cap, j->cap, j->thr + t);
+}
+
+long selfspec_gumbel_reach(const float *lo, const float *up, long n, float T, uint64_t seed, int64_t pos, int32_t *out,
+                           float *us, long cap, float *thr_out, int nthreads) {
+    int nt = n < 65536 ? 1 : ss_threads(nthreads);
+    if (nt > 4) nt = 4;
+    if (nt <= 1) return selfspec_gumbel_reach_range(lo, up, 0, n, T, seed, pos, out, us, cap, thr_out);
+    int32_t *o = (int32_t *)malloc(sizeof(int32_t) * (size_t)nt * (size_t)cap);
+    float *u = (float *)malloc(sizeof(float) * (size_t)nt * (size_t)cap);
+    float thr[4];
+    long found[4];
+    if (!o || !u) { free(o); free(u); return -2; }
+    reach_job job = {lo, up, n, cap, T, seed, pos, o, u, thr, found};
+    ss_parallel(nt, reach_region, &job);
+    float best = -INFINITY;
+    long rc = -1;
+    for (int t = 0; t < nt; t++) {
+        if (found[t] == -2 || found[t] == cap + 1) rc = found[t];
+        if (found[t] >= 0 && thr[t] > best) best = thr[t];
+    }
+    long c = 0;
+    for (int t = 0; rc == -1 && t < nt && c <= cap; t++)
+        for (long i = 0; i < found[t] && c <= cap; i++) {
+            if (!(u[(size_t)t * cap + i] >= best)) continue;
+            if (c == cap) { c = cap + 1; break; }
+            out[c] = o[(size_t)t * cap + i];
+            us[c++] = u[(size_t)t * cap + i];
+        }
+    free(o); free(u);
+    if (rc != -1) return rc;
+    *thr_out = best;
+    return best == -INFINITY ? -1 : c;
 }

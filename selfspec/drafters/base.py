@@ -53,6 +53,12 @@ class Step:
         return self.sampling.greedy and self.proc is None
 
     @property
+    def picks_only(self) -> bool:
+        """Verification needs the Gumbel-max picks only (seeded coupling, nothing processed or
+        recorded): the rows may come through the screened head (sampled_head.py)."""
+        return not self.sampling.greedy and self.key is not None and self.proc is None
+
+    @property
     def drafts_processed(self) -> bool:
         """Draft logits go through the processors too (they change the logits)."""
         return self.proc is not None and self.proc.alters
@@ -93,7 +99,7 @@ class Drafter:
 
     def verify(self, step: Step, draft: Draft) -> torch.Tensor:
         ids = torch.tensor([step.tokens[-1], *draft.tokens], device=self.rt.device)
-        return self.rt.forward(ids, step.pos, step.cache, argmax_only=step.argmax_only)
+        return self.rt.forward(ids, step.pos, step.cache, argmax_only=step.argmax_only, picks_only=step.picks_only)
 
     def verify_foreign(self, step: Step, draft: Draft) -> torch.Tensor:
         return Drafter.verify(self, step, draft)

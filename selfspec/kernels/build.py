@@ -151,6 +151,12 @@ def _load():
             dll.selfspec_screen_pick.restype = ctypes.c_int
             dll.selfspec_screen_pick.argtypes = ([ctypes.c_long] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
                                                  + [ctypes.c_void_p] * 2 + [ctypes.c_long] + [ctypes.c_void_p] * 6 + [ctypes.c_int])
+            dll.selfspec_screen_bounds.restype = ctypes.c_int
+            dll.selfspec_screen_bounds.argtypes = ([ctypes.c_long] + [ctypes.c_void_p] * 2 + [ctypes.c_double] * 2 + [ctypes.c_int]
+                                                   + [ctypes.c_void_p] * 2)
+            dll.selfspec_gumbel_reach.restype = ctypes.c_long
+            dll.selfspec_gumbel_reach.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_long, ctypes.c_float, ctypes.c_uint64, ctypes.c_int64]
+                                                  + [ctypes.c_void_p] * 2 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_int])
             _lib = (fn, ref)
             _blocks.update(layers=dll.selfspec_layers_batch, step_argmax=dll.selfspec_step_argmax,
                            norm_rows=dll.selfspec_norm_rows, softcap=dll.selfspec_softcap,

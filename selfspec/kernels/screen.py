@@ -127,3 +127,28 @@ def screen_quantize(w: PackedWeight | torch.Tensor, g_k: float, g_b: float) -> t
     if rc:
         raise RuntimeError(f"kernels.screen_quantize: returned {rc}")
     return QuantizedWeight(q, scale, None, k, n, bits=8), ab
+
+
+def screen_bounds(a: torch.Tensor, ab: torch.Tensor, xn: float, dxn: float, round_out: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One row's interval bounds on the head's logits: a [V] fp32 (screen_qgemm's row), ab [2, V]
+    (alpha, beta), xn / dxn its act_residual -> (lo, up) fp32 [V] with lo <= logit <= up for
+    every column (bf16-rounded logits when round_out); None when a bound is not finite."""
+    a, ab = a.contiguous(), ab.contiguous()
+    v = a.shape[0]
+    lo, up = torch.empty(v, dtype=torch.float32), torch.empty(v, dtype=torch.float32)
+    rc = _dll().selfspec_screen_bounds(v, a.data_ptr(), ab.data_ptr(), xn, dxn, int(round_out), lo.data_ptr(), up.data_ptr())
+    return None if rc else (lo, up)
+
+
+def gumbel_reach(lo: torch.Tensor, up: torch.Tensor, temperature: float, key: int, pos: int, cap: int,
+                 threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """The screened Gumbel-max pick's candidates from bounds lo <= logits <= up ([V] fp32; entry j
+    is token j; csrc/gumbel.c selfspec_gumbel_reach): (entries int32 ascending, their upper
+    scores fl(fl(up / T) + g) fp32, thr = the best lower score); every entry whose upper score
+    reaches thr is there. None when there are more than cap, or lo has no finite entry."""
+    out, us, thr = torch.empty(cap, dtype=torch.int32), torch.empty(cap, dtype=torch.float32), torch.empty(1, dtype=torch.float32)
+    n = _dll().selfspec_gumbel_reach(lo.data_ptr(), up.data_ptr(), lo.shape[0], temperature, key, pos, out.data_ptr(),
+                                     us.data_ptr(), cap, thr.data_ptr(), _pool.threads() if threads is None else threads)
+    if n == -2:
+        raise MemoryError("kernels.gumbel_reach: out of memory")
+    return None if n < 0 or n > cap else (out[:n], us[:n], float(thr))

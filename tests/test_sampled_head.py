@@ -1,0 +1,155 @@
+"""The Gumbel-max pick through the int8-screened head (selfspec/sampled_head.py): the token is the
+unscreened pick's on adversarial rows (ties, near-ties at the screen's precision, all-equal
+logits, one huge logit, top-k boundaries), a bound made too tight is caught, and seeded outputs
+of every strategy, solo and batched, are the stored texts of plain, unscreened decoding
+(tests/data/seeded_outputs.json, written by the code before the screen: seeded_cases.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import seeded_cases
+from selfspec import kernels, sampled_head
+from selfspec.config import SamplingConfig
+from selfspec.coupling import gumbel_noise, gumbel_token
+from selfspec.greedy_head import ScreenedHead, screened_head
+from selfspec.kernels.screen import gumbel_reach, screen_bounds
+
+from test_greedy_head import LAYOUTS, _full, _head, _rows
+from test_kernels import needs_kernels
+
+pytestmark = needs_kernels
+
+CFGS = [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.8), SamplingConfig(temperature=0.05),
+        SamplingConfig(temperature=3.0), SamplingConfig(temperature=0.7, top_k=5), SamplingConfig(temperature=1.0, top_k=1),
+        SamplingConfig(temperature=0.8, top_k=300), SamplingConfig(temperature=0.8, top_p=0.9)]
+
+
+def _adversarial(k: int, v: int, dtype, layout: str):
+    """(head, rows x [M, k]): ties (column 7 repeated), near-ties one bf16 step apart, a column
+    scaled 1e3 (one huge logit), all-equal logits (a zero row, and a row no column sees), rows
+    aligned with column 7 and rows of plain noise."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(k, v, generator=g) / k**0.5
+    w[:, 3] = w[:, 7]
+    w[:, 11] = w[:, 7]
+    w[:, 12] = w[:, 7] * (1 + 2.0**-8)  # a near-tie at bf16's precision
+    w[:, 13] = w[:, 7] * (1 - 2.0**-20)  # below every precision the screen has
+    w[:, 500] = w[:, 501] * 1e3
+    w[:, 600:700] = w[:, 600:601]  # a hundred-way tie
+    x = _rows(6, k, torch.float32, head=w.to(dtype))
+    x[1] = 0.0  # every logit 0
+    x[2] = w[:, 600] * 40  # the hundred-way tie on top
+    x[3] = w[:, 501] / w[:, 501].norm()  # column 500 huge
+    x[4, :] = 0.0
+    x[4, 0] = 1e-3  # near-flat logits
+    head = w.to(dtype) if layout == "plain" else kernels.pack(w.to(dtype), pairs=layout == "pairs")
+    return head, x.to(dtype)
+
+
+def _both(head, x, cfg, keys=range(12), pos0=100) -> tuple[list[int], list[int]]:
+    sh = ScreenedHead.make(head)
+    rows = sampled_head.HeadRows(x, sh, lambda x: _full(x, head))
+    full = _full(x, head)
+    got, want = [], []
+    for i in range(x.shape[0]):
+        for key in keys:
+            got.append(gumbel_token(rows[i], cfg, key, pos0 + i))
+            want.append(gumbel_token(full[i], cfg, key, pos0 + i))
+    return got, want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_adversarial_rows_pick_the_exact_token(monkeypatch, layout, dtype):
+    if layout == "pairs" and dtype != torch.bfloat16:
+        pytest.skip("the pair layout is bf16 only")
+    monkeypatch.setattr(sampled_head, "SCREEN_TOP_K", True)
+    head, x = _adversarial(128, 1500, dtype, layout)
+    for cfg in CFGS:
+        got, want = _both(head, x, cfg)
+        assert got == want, cfg
+
+
+def test_the_screen_decides_most_rows():
+    head, x = _adversarial(128, 1500, torch.bfloat16, "packed")
+    sh = ScreenedHead.make(head)
+    rows = sampled_head.HeadRows(x, sh, lambda x: _full(x, head))
+    for i in range(x.shape[0]):
+        gumbel_token(rows[i], SamplingConfig(temperature=1.0), 3, 9 + i)
+    assert sh.picks == x.shape[0] and sh.pick_full == 0 and sh.pick_computed < 1500 * x.shape[0] / 4
+
+
+def test_bounds_hold_and_a_tightened_bound_is_caught(monkeypatch):
+    """lo <= logit <= up for every column; with the bound shrunk to the int8 value itself the
+    picks differ from the exact ones (the equality checks above are sharp)."""
+    w = _head(256, 4000, torch.bfloat16, "packed", seed=2)
+    x = _rows(8, 256, torch.bfloat16, head=w)
+    sh = ScreenedHead.make(w)
+    full = _full(x, w)
+    rows = sampled_head.HeadRows(x, sh, lambda x: _full(x, w))
+    a, xn, dxn = rows.screened()
+    for i in range(8):
+        lo, up = screen_bounds(a[i], sh.ab, float(xn[i]), float(dxn[i]), True)
+        assert bool((lo <= full[i]).all()) and bool((full[i] <= up).all())
+    real = screen_bounds
+    monkeypatch.setattr(sampled_head, "screen_bounds", lambda a, ab, xn, dxn, r: real(a, ab * 1e-3, xn, dxn, r))
+    got, want = _both(w, x, SamplingConfig(temperature=1.0), keys=range(40))
+    assert got != want
+
+
+def test_reach_is_the_same_on_any_number_of_threads():
+    """A vocabulary's candidates split among threads merge to the one-thread set, exactly
+    {upper score >= the best lower score}, checked against the noise itself."""
+    g = torch.Generator().manual_seed(3)
+    up = torch.randn(262_144, generator=g) * 3
+    up[::1000] += 8  # a head of likely winners
+    lo = up - torch.rand(262_144, generator=g) * 2
+    for t, key in ((1.0, 1), (0.7, 2)):
+        one = gumbel_reach(lo, up, t, key, 5, 4096, threads=1)
+        for n in (2, 3, 4):
+            many = gumbel_reach(lo, up, t, key, 5, 4096, threads=n)
+            assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1]) and one[2] == many[2]
+        noise = gumbel_noise(key, 5, torch.arange(262_144))
+        s_up, s_lo = up / t + noise, lo / t + noise
+        assert one[2] == float(s_lo.max())
+        assert torch.equal(one[0].long(), (s_up >= one[2]).nonzero().flatten())
+
+
+def _force_screen(model) -> ScreenedHead:
+    rt = model.runtime
+    rt._screened = ScreenedHead.make(rt.head)
+    return rt._screened
+
+
+@pytest.mark.parametrize("arch", seeded_cases.ARCHS)
+def test_seeded_outputs_are_the_stored_unscreened_texts(zoo, monkeypatch, arch):
+    """Every strategy x sampling x prompt, solo and in generate_batch, with the screened pick (top-k
+    screened too), gives the tokens stored from plain decoding before the screen existed."""
+    stored = json.loads(seeded_cases.DATA.read_text())["tiny"]
+    monkeypatch.setattr(sampled_head, "SCREEN_TOP_K", True)
+    for dtype in seeded_cases.DTYPES:
+        model = seeded_cases.tiny_model(zoo.get, arch, dtype)
+        sh = _force_screen(model)
+        try:
+            got = seeded_cases.tiny_outputs(model)
+        finally:
+            model.runtime._screened = None  # the rest of the suite runs the model as shipped
+        want = stored[f"{arch}|{dtype}"]
+        assert got.keys() == want.keys()
+        bad = [k for k in want if got[k] != want[k]]
+        assert not bad, (dtype, bad[:5])
+        assert sh.picks > 100 and sh.pick_full < sh.picks  # the screen decided the rows it could
+
+
+@pytest.mark.slow
+def test_default_model_seeded_outputs_are_the_stored_ones(default_model_bf16):
+    stored = json.loads(seeded_cases.DATA.read_text())["default_bf16"]
+    sh = screened_head(default_model_bf16.runtime)
+    picks = sh.picks
+    got = seeded_cases.default_outputs(default_model_bf16)
+    assert got == stored
+    assert sh.picks > picks
