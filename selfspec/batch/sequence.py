@@ -30,13 +30,13 @@ from selfspec.config import DraftConfig, GenerationConfig, SamplingConfig
 from selfspec.drafters import (AutoDrafter, Drafter, EarlyExitDrafter, ExitAdapterDrafter, LayerSkipDrafter,
                                LookupFirstDrafter, PromptLookupDrafter)
 from selfspec.drafters.base import Draft, Step
-from selfspec.engine import (GenerationResult, GenerationStats, StreamEvent, _Output, count, free_draft, recorded, sample_token,
-                             step_room)
+from selfspec.engine import GenerationResult, GenerationStats, StreamEvent, _Output, count, recorded, sample_token
 from selfspec.logprobs import TokenLogprob
 from selfspec.lookup import until_eos
 from selfspec.coupling import noise_key
 from selfspec.processors import Processing
 from selfspec.sampling import make_rng
+from selfspec.step import free_draft, step_room
 
 _ids = itertools.count(1)
 COPY_PRIOR = (4.0, 1.0)  # a hot copy's tokens: accepted 0.83-0.87 each on the default model (look_up)
@@ -253,7 +253,7 @@ class Sequence:
         return self.step
 
     def draft_free(self) -> bool:
-        """This step drafts what its grammar forces, for free (engine.free_draft); -> whether it does."""
+        """This step drafts what its grammar forces, for free (step.free_draft); -> whether it does."""
         d = free_draft(self.step, self.max_draft > 0, self.remaining)
         if d is not None:
             self.draft, self.planned_k = d, len(d.tokens)
