@@ -39,12 +39,11 @@ from dataclasses import replace
 
 import torch
 
-from selfspec.batch.passes import Part, draft_depth, signature, staged_forward, verify_part
+from selfspec.batch.passes import Part, draft_depth, exit_states, signature, staged_forward, verify_part
 from selfspec.batch.planner import BatchCosts, CostScale, kept_costs, plan_with_probes, predicted, prompt_group
 from selfspec.batch.sequence import BatchHandle, BatchRequest, Sequence
 from selfspec.cache import CachePool
 from selfspec.config import MAX_SPECULATIONS
-from selfspec.drafters import EarlyExitDrafter
 from selfspec.drafters.base import Draft
 from selfspec.step import VerifyOutput, settle, speculative_step
 
@@ -419,7 +418,7 @@ class BatchEngine:
         (one-call draft passes, prompt-lookup guesses, copied tails; auto's own gating). Greedy
         output is plain decoding's either way; early exit keeps exit states per step the batched
         path holds on the sequence, so it stays there."""
-        return s.req.sampling.greedy and s.kind != "plain" and not isinstance(s.actor, EarlyExitDrafter)
+        return s.req.sampling.greedy and s.kind != "plain" and not exit_states(s.actor)
 
     def _solo_step(self, s: Sequence) -> None:
         """A sequence whose drafter runs its own passes: exactly engine.generate's step (step.py)."""
