@@ -19,7 +19,7 @@ A step (sequences join and leave only between steps):
      own while streams are running (_first_prompts: time to first token); how many prompts
      share a pass: the fewest summed waits to first token by the measured pass costs
      (planner.prompt_group);
-  5. accept with the solo functions (greedy prefix / speculative sampling), commit, stream,
+  5. settle each sequence's step as a solo run does (step.settle: accept, the drafter hears, commit), stream,
      and retire finished sequences at once.
 Every row is computed as in a solo run (row-invariant kernels), so a request's tokens do not
 depend on what else is in the batch or when it joined. A greedy sequence decoding alone (one
