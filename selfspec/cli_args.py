@@ -11,8 +11,9 @@ import types
 import typing
 from dataclasses import MISSING, fields
 
+from selfspec import strategies
 from selfspec.chat_templates import names, resolve
-from selfspec.config import COUPLINGS, REQUIRED, STRATEGIES, DraftConfig, Grammar
+from selfspec.config import COUPLINGS, DraftConfig, Grammar
 from selfspec.errors import SelfSpecError, unknown_choice
 from selfspec.grammar import compile_grammar
 from selfspec.loading import peek_shape
@@ -20,7 +21,7 @@ from selfspec.model import load, merge_profile_draft
 from selfspec.profiles import load_profile, losing_note
 
 _HELP = {
-    "strategy": "how to draft: " + ", ".join(STRATEGIES) + " (named alone: its best measured options for the model; "
+    "strategy": "how to draft: " + ", ".join(strategies.names()) + " (named alone: its best measured options for the model; "
                 "options given override only themselves)",
     "exit_layer": "early-exit: draft with layers 0..E-1 (quantized: the copy's first E layers)",
     "num_speculations": "K, the most tokens drafted per verify step",
@@ -122,7 +123,7 @@ def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] 
         elif f.name == "stop":
             parser.add_argument(flag, action="append", default=None, help=help_)
         elif f.name == "strategy":
-            parser.add_argument(flag, type=choice(STRATEGIES, "strategy"), default=default, help=help_)
+            parser.add_argument(flag, type=choice(strategies.names(), "strategy"), default=default, help=help_)
         elif f.name == "coupling":
             parser.add_argument(flag, type=choice(COUPLINGS, "coupling"), default=default, help=help_)
         else:
@@ -173,8 +174,8 @@ def check_before_loading(args) -> None:
     if args.profile is None:
         # a required option not given may come from the model's profile (known once it loads):
         # the others are checked now, against a stand-in for it
-        missing = [names[0] for strategy, names in REQUIRED.items()
-                   if given.get("strategy") == strategy and not any(given.get(n) for n in names)]
+        required = strategies.strategy(given["strategy"]).required if strategies.known(given.get("strategy")) else ()
+        missing = [required[0]] if required and not any(given.get(n) for n in required) else []
         stand_in = {"exit_layer": 1, "skip_attn": (0,), "adapter": "-", "draft_model": "-"}
         draft = DraftConfig.from_dict({**{n: stand_in[n] for n in missing}, **given})
     else:

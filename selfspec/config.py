@@ -10,13 +10,8 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 
 from selfspec.coercion import ConfigError, ConfigTypeError, coerce_fields, from_dict
 from selfspec.errors import SelfSpecError, unknown_choice
+from selfspec.strategies import known, names, strategy as strategy_entry
 
-STRATEGIES = ("autoregressive", "early-exit", "layer-skip", "exit-adapter", "quantized", "draft-model", "prompt-lookup", "auto")
-SELF_DRAFTING = ("early-exit", "layer-skip", "exit-adapter", "quantized")
-# Lookup-first over these drafts its own tokens with a prompt-lookup match as a guess
-# (LayerSkipDrafter.draft_guessed) instead of having the full model verify the copy: the
-# quantized copy agrees with the model far more often (~90%) than a copy is accepted (~50%).
-GUESS_CHECKING = ("quantized",)
 DRAFT_BITS = (8, 4)  # quantized drafting: int8 per output channel, int4 in groups of 64 rows (quant.INT4_GROUP)
 MAX_SPECULATIONS = 16  # verify passes stay within the row counts where the CPU kernels are row-invariant
 # How a sampled draft is accepted (SamplingConfig.coupling): "gumbel", Gumbel-max coupling (the
@@ -137,30 +132,10 @@ class SamplingConfig:
         return not self.greedy and self.coupling == "gumbel"
 
 
-# The fields each strategy reads (besides `strategy`). Setting any other field to a value
-# other than its default is an error: an option that would be silently ignored.
-_SELF = ("num_speculations", "draft_threshold", "adaptive", "draft_vocab", "lookup_first")
-STRATEGY_FIELDS: dict[str, frozenset[str]] = {
-    "autoregressive": frozenset(),
-    "early-exit": frozenset(("exit_layer", *_SELF)),
-    "layer-skip": frozenset(("skip_attn", "skip_mlp", *_SELF)),
-    "exit-adapter": frozenset(("adapter", "exit_layer", *_SELF)),
-    "quantized": frozenset(("draft_bits", "head_bits", "exit_layer", "skip_attn", "skip_mlp", *_SELF)),
-    "draft-model": frozenset(("draft_model", "num_speculations", "draft_threshold", "adaptive", "draft_vocab")),
-    "prompt-lookup": frozenset(("num_speculations", "max_ngram")),
-    # auto: the draft vocabulary and lookup n-gram of the draft calibration picks, or a base to gate
-    "auto": frozenset(("draft_vocab", "max_ngram", "base")),
-}
-
-
-# Options a strategy cannot run without when nothing supplies them (one of each tuple).
-REQUIRED: dict[str, tuple[str, ...]] = {"early-exit": ("exit_layer",), "layer-skip": ("skip_attn", "skip_mlp"),
-                                        "exit-adapter": ("adapter",), "draft-model": ("draft_model",)}
-
-
 @dataclass(frozen=True)
 class DraftConfig:
-    """How to draft. A field the strategy does not use (STRATEGY_FIELDS) must keep its default.
+    """How to draft. A field the strategy does not use (its registry entry's options:
+    strategies.py) must keep its default.
 
     The field defaults below are the *static* defaults, the last of three sources a strategy
     named without options draws on (SelfSpecModel.draft_config): first the model's profile
@@ -191,10 +166,11 @@ class DraftConfig:
         coerce_fields(self)
         object.__setattr__(self, "skip_attn", _sorted_set(self.skip_attn))
         object.__setattr__(self, "skip_mlp", _sorted_set(self.skip_mlp))
-        if self.strategy not in STRATEGIES:
-            raise ConfigError(unknown_choice("strategy", self.strategy, STRATEGIES), "strategy")
-        if self.lookup_first and self.strategy not in SELF_DRAFTING:
-            raise ConfigError(f"lookup_first combines prompt lookup with {', '.join(SELF_DRAFTING)}, not {self.strategy}", "lookup_first")
+        if not known(self.strategy):
+            raise ConfigError(unknown_choice("strategy", self.strategy, names()), "strategy")
+        if self.lookup_first and not strategy_entry(self.strategy).self_drafting:
+            selfs = ", ".join(n for n in names() if strategy_entry(n).self_drafting)
+            raise ConfigError(f"lookup_first combines prompt lookup with {selfs}, not {self.strategy}", "lookup_first")
         used = self.used_fields()
         unused = [f.name for f in fields(self) if f.name != "strategy" and f.name not in used
                   and getattr(self, f.name) != (f.default if f.default is not MISSING else f.default_factory())]
@@ -233,8 +209,9 @@ class DraftConfig:
         """The fields this configuration's strategy reads (max_ngram: self-drafters with lookup_first)."""
         if self.strategy == "auto" and self.base is not None:
             return frozenset(("base",))  # the base carries every draft option
-        extra = {"max_ngram"} if self.lookup_first and self.strategy in SELF_DRAFTING else set()
-        return STRATEGY_FIELDS[self.strategy] | extra
+        entry = strategy_entry(self.strategy)
+        extra = {"max_ngram"} if self.lookup_first and entry.self_drafting else set()
+        return entry.options | extra
 
     def check_model(self, num_layers: int, vocab_size: int) -> None:
         """Checks that need the model's shape."""

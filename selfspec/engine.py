@@ -1,7 +1,7 @@
 """The engine loop: prefill, then draft -> verify -> accept until a stop condition.
 
     pending = first token sampled from the prompt's logits
-    loop:
+    loop (one speculative step: step.py, the batch engine's too):
         draft  = drafter.draft(step)                  # k proposals from part of the model
         logits = drafter.verify(step, draft)          # full model over pending + drafts
         n, nxt = accept(draft, logits)                # greedy prefix / speculative sampling
@@ -20,11 +20,11 @@ import torch
 
 from selfspec.config import MAX_SPECULATIONS, GenerationConfig, SamplingConfig
 from selfspec.drafters.base import Draft, Drafter, Step
-from selfspec.coupling import GumbelPicks, gumbel_token, noise_key
+from selfspec.coupling import gumbel_token, noise_key
 from selfspec.logprobs import TokenLogprob
-from selfspec.processors import Argmaxes, Processing
-from selfspec.sampling import PointMass, Rows, distribution, make_rng
-from selfspec.verification import coupled_accept, greedy_accept, speculative_accept
+from selfspec.processors import Processing
+from selfspec.sampling import distribution, make_rng
+from selfspec.step import speculative_step
 
 
 @dataclass
@@ -211,53 +211,6 @@ def sample_token(logits: torch.Tensor | int, sampling: SamplingConfig, rng: torc
     return token
 
 
-def processed(step: Step, draft: Draft, logits: torch.Tensor | list[int]):
-    """A step's verify logits [k+1, V] as acceptance reads them: through the generation's
-    processors when it has any (processors.ProcessedRows: row j sees draft[:j])."""
-    return logits if step.proc is None else step.proc.rows(logits, draft.tokens)
-
-
-def commit(step: Step, tokens: list[int], rows) -> list[TokenLogprob] | None:
-    """A step's accepted drafts and next token join the processors' state; -> their logprobs
-    when recorded."""
-    if step.proc is None:
-        return None
-    step.proc.commit(tokens, rows)
-    return step.proc.logprobs[-len(tokens):] if step.proc.top is not None else None
-
-
-def accept(step: Step, draft: Draft, logits) -> tuple[int, int]:
-    """The verifier's verdict on a step's draft from its logits [k+1, V] (greedy: their argmax
-    tokens; with processors the rows `processed` gives): the greedy prefix, Gumbel-max coupling
-    (row i's noise at position step.pos + 1 + i), or speculative sampling (step.key None).
-    -> (number accepted, next token)."""
-    if step.sampling.greedy:
-        return greedy_accept(draft.tokens, logits if step.proc is None else Argmaxes(logits))
-    dists = logits.dists(step.sampling) if step.proc is not None else None  # processed rows keep them (the logprobs read them)
-    if step.key is not None:
-        return coupled_accept(draft.tokens, GumbelPicks(logits, step.sampling, step.key, step.pos + 1, dists))
-    return speculative_accept(draft.tokens, draft.dists, dists if dists is not None else Rows(logits, step.sampling), step.rng)
-
-
-def free_draft(step: Step, speculative: bool, remaining: int) -> Draft | None:
-    """A speculative step's draft when its grammar forces the next tokens (grammar.Matcher.forced):
-    those tokens, drafted for free instead of by the drafter, up to MAX_SPECULATIONS; None when it
-    forces nothing. Verified like a copy (Drafter.verify_foreign): a token the grammar allows
-    alone is accepted whatever the rule, the others as any draft."""
-    if not speculative or step.proc is None or step.proc.matcher is None:
-        return None
-    tokens, _ = step.proc.forced(min(MAX_SPECULATIONS, remaining - 1))
-    if not tokens:
-        return None
-    return Draft(tokens, [PointMass(t) for t in tokens] if not step.sampling.greedy else [], copied=True, free=True)
-
-
-def step_room(sampling: SamplingConfig, remaining: int) -> int:
-    """Step.room of a step that may verify copies past its self-draft (greedy only: a copy is
-    accepted with probability p(x) when sampling): MAX_SPECULATIONS drafts, within the budget."""
-    return min(MAX_SPECULATIONS, remaining - 1) if sampling.greedy else 0
-
-
 def generate(
     runtime,
     drafter: Drafter,
@@ -292,24 +245,13 @@ def generate(
         out.push([first], [False], proc.logprobs[-1:] if proc is not None and proc.top is not None else None)
         while out.finish is None:
             remaining = gen.max_new_tokens - len(out.ids)
-            step = Step(tokens, len(tokens) - 1, min(K, remaining - 1), cache, sampling, rng, step_room(sampling, remaining), key,
-                        proc)
-            t0 = clock()
-            free = free_draft(step, K > 0, remaining)
-            draft = free or drafter.draft(step)
-            t1 = clock()
-            rows = processed(step, draft, drafter.verify_foreign(step, draft) if free else drafter.verify(step, draft))
-            n, nxt = accept(step, draft, rows)
-            if not free:
-                drafter.accepted(step, draft, n)
-            new = draft.tokens[:n] + [nxt]
-            logprobs = commit(step, new, rows)
-            t2 = clock()
-            stats.time_draft_s += t1 - t0
-            stats.time_verify_s += t2 - t1
-            count(stats, draft, n)
-            tokens.extend(new)
-            out.push(new, [True] * n + [False], logprobs)
+            step = Step(tokens, len(tokens) - 1, min(K, remaining - 1), cache, sampling, rng, key=key, proc=proc)
+            o = speculative_step(drafter, step, remaining, clock)
+            stats.time_draft_s += o.draft_s
+            stats.time_verify_s += o.verify_s
+            count(stats, o.draft, o.accepted)
+            tokens.extend(o.tokens)
+            out.push(o.tokens, o.drafted, o.logprobs)
     stats.time_s = clock() - t_start
     stats.new_tokens = len(out.ids)
     stats.draft = drafter.describe()

@@ -18,11 +18,11 @@ from dataclasses import asdict, fields, replace
 
 import torch
 
-from selfspec import chat_templates, kernels
+from selfspec import chat_templates, kernels, strategies
 from selfspec.architectures import ModelSpec
 from selfspec.batch import BatchEngine, BatchRequest
 from selfspec.batch.planner import kept_costs
-from selfspec.config import PROCESSOR_FIELDS, STRATEGIES, DraftConfig, GenerationConfig, Grammar, SamplingConfig
+from selfspec.config import PROCESSOR_FIELDS, DraftConfig, GenerationConfig, Grammar, SamplingConfig
 from selfspec.drafters import Drafter, build
 from selfspec.drafters.factory import runs_here
 from selfspec.engine import GenerationResult, StreamEvent, generate
@@ -223,8 +223,8 @@ class SelfSpecModel:
         unknown = set(options) - _DRAFT_FIELDS
         if unknown:
             raise SelfSpecError(f"unknown option(s): {', '.join(sorted(unknown))}")
-        if strategy is not None and strategy not in STRATEGIES:
-            raise SelfSpecError(unknown_choice("strategy", strategy, STRATEGIES))
+        if strategy is not None and not strategies.known(strategy):
+            raise SelfSpecError(unknown_choice("strategy", strategy, strategies.names()))
         given = {k: v for k, v in options.items() if v is not None}
         if profile is None:
             if strategy is not None:  # named: its defaults for this model, refined by the options given

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from selfspec.coercion import ConfigError, ConfigTypeError, typed
-from selfspec.config import STRATEGY_FIELDS, DraftConfig, GenerationConfig, SamplingConfig
+from selfspec import strategies
+from selfspec.config import DraftConfig, GenerationConfig, SamplingConfig
 from selfspec.errors import SelfSpecError
 
 
@@ -85,7 +86,7 @@ def test_every_used_option_is_accepted():
     DraftConfig("auto", base=DraftConfig("early-exit", exit_layer=2))
     DraftConfig("quantized", draft_bits=4, head_bits=8, exit_layer=3, skip_attn=(1,), skip_mlp=(2,), num_speculations=5,
                 draft_threshold=0.2, adaptive=True, draft_vocab=50, lookup_first=True, max_ngram=2)
-    assert set(STRATEGY_FIELDS) == {"autoregressive", "early-exit", "layer-skip", "exit-adapter", "quantized", "draft-model",
+    assert set(strategies.names()) == {"autoregressive", "early-exit", "layer-skip", "exit-adapter", "quantized", "draft-model",
                                     "prompt-lookup", "auto"}
 
 

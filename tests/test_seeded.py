@@ -20,7 +20,7 @@ import torch
 from scipy.stats import chi2_contingency, chisquare, kstest
 
 import selfspec
-from selfspec import engine as engine_mod
+from selfspec import step as step_mod
 from selfspec import kernels
 from selfspec import coupling as S
 from selfspec.config import DraftConfig, SamplingConfig
@@ -166,7 +166,7 @@ def test_a_wrong_acceptance_rule_is_caught(zoo, monkeypatch):
         n, nxt = coupled_accept(draft, picks)
         return (n + 1, picks[n + 1]) if n < len(draft) else (n, nxt)
 
-    monkeypatch.setattr(engine_mod, "coupled_accept", sloppy)
+    monkeypatch.setattr(step_mod, "coupled_accept", sloppy)
     with pytest.raises(AssertionError):
         assert_one_text(model, kw, batch=False)
 

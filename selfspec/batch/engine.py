@@ -19,7 +19,7 @@ A step (sequences join and leave only between steps):
      own while streams are running (_first_prompts: time to first token); how many prompts
      share a pass: the fewest summed waits to first token by the measured pass costs
      (planner.prompt_group);
-  5. accept with the solo functions (greedy prefix / speculative sampling), commit, stream,
+  5. settle each sequence's step as a solo run does (step.settle: accept, the drafter hears, commit), stream,
      and retire finished sequences at once.
 Every row is computed as in a solo run (row-invariant kernels), so a request's tokens do not
 depend on what else is in the batch or when it joined. A greedy sequence decoding alone (one
@@ -39,14 +39,13 @@ from dataclasses import replace
 
 import torch
 
-from selfspec.batch.passes import Part, draft_depth, signature, staged_forward, verify_part
+from selfspec.batch.passes import Part, draft_depth, exit_states, signature, staged_forward, verify_part
 from selfspec.batch.planner import BatchCosts, CostScale, kept_costs, plan_with_probes, predicted, prompt_group
 from selfspec.batch.sequence import BatchHandle, BatchRequest, Sequence
 from selfspec.cache import CachePool
 from selfspec.config import MAX_SPECULATIONS
-from selfspec.drafters import EarlyExitDrafter
 from selfspec.drafters.base import Draft
-from selfspec.engine import accept, commit, free_draft, processed, step_room
+from selfspec.step import VerifyOutput, settle, speculative_step
 
 PREFILL_ROWS_PER_CORE = 32  # default prefill chunk per CPU core (see default_prefill_chunk)
 PREFILL_PATIENCE = 4  # steps a newcomer may be passed over by shorter prompts before it goes first
@@ -400,18 +399,17 @@ class BatchEngine:
             return len(copy)
         return s.step.k
 
-    def _accept(self, s: Sequence, logits: torch.Tensor) -> None:
-        d, step = s.draft, s.step
-        rows = processed(step, d, logits)
-        n, nxt = accept(step, d, rows)
+    def _accept(self, s: Sequence, out: VerifyOutput) -> None:
+        """Settle s's step from its rows of the batched pass (step.settle). Who hears of the
+        drafts: auto where it gates by itself (its bookkeeping and its base's), else the
+        self-drafter, of its own drafts only (not of a hot copy the batch drafted for it)."""
         a = s.auto
-        if not d.free:  # a grammar's forced tokens: no drafter made them
-            if a is not None and not (s.req.sampling.greedy and self.plan_drafts):
-                a.accepted(step, d, n)  # auto's own bookkeeping (and its base's)
-            elif not s.copying:  # the self-drafter hears of its own drafts only
-                s.actor.accepted(step, d, n)
-        commit(step, d.tokens[:n] + [nxt], rows)
-        s.commit(n, nxt)
+        if a is not None and not (s.req.sampling.greedy and self.plan_drafts):
+            hear = a.accepted
+        else:
+            hear = None if s.copying else s.actor.accepted
+        o = settle(s.step, s.draft, out, hear)
+        s.commit(o.accepted, o.next_token)
 
     @staticmethod
     def _alone(s: Sequence) -> bool:
@@ -420,23 +418,12 @@ class BatchEngine:
         (one-call draft passes, prompt-lookup guesses, copied tails; auto's own gating). Greedy
         output is plain decoding's either way; early exit keeps exit states per step the batched
         path holds on the sequence, so it stays there."""
-        return s.req.sampling.greedy and s.kind != "plain" and not isinstance(s.actor, EarlyExitDrafter)
+        return s.req.sampling.greedy and s.kind != "plain" and not exit_states(s.actor)
 
     def _solo_step(self, s: Sequence) -> None:
-        """A sequence whose drafter runs its own passes: exactly engine.generate's loop body."""
-        clock = time.perf_counter
-        step = s.new_step()
-        step.room = step_room(s.req.sampling, s.remaining)  # as generate's step (Draft.tail)
-        t0 = clock()
-        with torch.inference_mode():
-            d = free_draft(step, s.max_draft > 0, s.remaining) or s.drafter.draft(step)
-            t1 = clock()
-            rows = processed(step, d, s.drafter.verify_foreign(step, d) if d.free else s.drafter.verify(step, d))
-        s.draft = d
-        n, nxt = accept(step, d, rows)
-        if not d.free:
-            s.drafter.accepted(step, d, n)
-        s.stats.time_draft_s += t1 - t0
-        s.stats.time_verify_s += clock() - t1
-        commit(step, d.tokens[:n] + [nxt], rows)
-        s.commit(n, nxt)
+        """A sequence whose drafter runs its own passes: exactly engine.generate's step (step.py)."""
+        o = speculative_step(s.drafter, s.new_step(), s.remaining)
+        s.draft = o.draft
+        s.stats.time_draft_s += o.draft_s
+        s.stats.time_verify_s += o.verify_s
+        s.commit(o.accepted, o.next_token)

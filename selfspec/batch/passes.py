@@ -25,17 +25,21 @@ from dataclasses import dataclass
 import torch
 
 from selfspec.cache import SegmentTable
-from selfspec.drafters import EarlyExitDrafter
+from selfspec.strategies import strategy
 
 JOIN_STAGES = 4  # a pass that newcomers may join runs in this many stages (staged_forward)
 
 
 def signature(seq) -> tuple:
-    """What a depth drafter drafts with: sequences with equal signatures share draft forwards."""
-    d = seq.actor
-    if isinstance(d, EarlyExitDrafter):
-        return (d.rt, d.exit, d.draft_head, frozenset(), frozenset())
-    return (d.draft_rt, d.exit, d.draft_head, d.skip_attn, d.skip_mlp)
+    """What a depth drafter drafts with: sequences with equal signatures share draft forwards.
+    (runtime, exit layer, draft head, skipped attention, skipped MLP): its depth_signature()."""
+    return seq.actor.depth_signature()
+
+
+def exit_states(d) -> bool:
+    """Whether d's verification enters at its exit layer with its drafts' exit hidden states
+    (its strategy's registry entry: early exit)."""
+    return strategy(d.cfg.strategy).exit_states
 
 
 def draft_depth(seqs: list) -> None:
@@ -55,7 +59,7 @@ def draft_depth(seqs: list) -> None:
                 logits = rt.logits(h, head=head)  # [rows, V or N]
                 going = []
                 for r, s in enumerate(active):
-                    if isinstance(s.actor, EarlyExitDrafter):
+                    if exit_states(s.actor):
                         s.exit_h.append(h[r : r + 1])
                     # (a sequence whose drafter raises here fails alone: Sequence.attempt)
                     if s.attempt(s.actor._choose, logits[r], s.step, s.draft) and len(s.draft.tokens) < s.planned_k:
@@ -86,7 +90,7 @@ def verify_part(seq) -> Part:
     """The verification rows of a decoding sequence: its pending token and its drafts."""
     ids = [seq.step.tokens[-1], *seq.draft.tokens]
     greedy = seq.step.argmax_only
-    if isinstance(seq.actor, EarlyExitDrafter) and seq.exit_h:
+    if seq.exit_h and exit_states(seq.actor):
         j = len(seq.exit_h)
         return Part(seq.cache, seq.step.pos, ids[j:], "all", torch.cat(seq.exit_h), seq.actor.exit, greedy)
     return Part(seq.cache, seq.step.pos, ids, argmax_only=greedy)

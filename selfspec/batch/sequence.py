@@ -3,7 +3,8 @@
 
 A sequence drafts through its own drafter object, built exactly as `generate` builds it, so
 per-sequence state (thresholds, auto's acceptance counts and back-off, prompt lookup) and the
-way sampling consumes its RNG are a solo run's. How the engine drives it is its `kind`:
+way sampling consumes its RNG are a solo run's. How the engine drives it is its `kind`, its
+strategy's registry entry's `batching` (strategies.py):
 
   plain   autoregressive: no drafts
   free    prompt lookup: drafts cost nothing (a list scan), made per sequence
@@ -27,16 +28,15 @@ from dataclasses import dataclass, field
 import torch
 
 from selfspec.config import DraftConfig, GenerationConfig, SamplingConfig
-from selfspec.drafters import (AutoDrafter, Drafter, EarlyExitDrafter, ExitAdapterDrafter, LayerSkipDrafter,
-                               LookupFirstDrafter, PromptLookupDrafter)
+from selfspec.drafters import AutoDrafter, Drafter, LookupFirstDrafter
 from selfspec.drafters.base import Draft, Step
-from selfspec.engine import (GenerationResult, GenerationStats, StreamEvent, _Output, count, free_draft, recorded, sample_token,
-                             step_room)
+from selfspec.engine import GenerationResult, GenerationStats, StreamEvent, _Output, count, recorded, sample_token
 from selfspec.logprobs import TokenLogprob
 from selfspec.lookup import until_eos
 from selfspec.coupling import noise_key
 from selfspec.processors import Processing
 from selfspec.sampling import make_rng
+from selfspec.step import free_draft, step_room
 
 _ids = itertools.count(1)
 COPY_PRIOR = (4.0, 1.0)  # a hot copy's tokens: accepted 0.83-0.87 each on the default model (look_up)
@@ -89,19 +89,9 @@ def batch_drafter(d: Drafter) -> Drafter:
 
 
 def kind_of(d: Drafter) -> str:
-    """How the engine drives a drafter (module doc); for auto, its base's kind."""
-    d = batch_drafter(d)
-    if isinstance(d, AutoDrafter):
-        return "solo" if d.base is None else kind_of(d.base)
-    if type(d) is Drafter:
-        return "plain"
-    if isinstance(d, PromptLookupDrafter):
-        return "free"
-    if isinstance(d, EarlyExitDrafter) and not isinstance(d, ExitAdapterDrafter):
-        return "depth"
-    if isinstance(d, LayerSkipDrafter):
-        return "depth"
-    return "solo"
+    """How the engine drives a drafter (module doc): its strategy's registry entry says
+    (Drafter.batching); auto takes its base's, a greedy-only lookup-first its self-draft's."""
+    return d.batching
 
 
 class Sequence:
@@ -115,7 +105,7 @@ class Sequence:
         req = handle.request
         self.handle, self.req, self.drafter, self.cache = handle, req, drafter, cache
         self.proc = proc  # the request's logits processors and logprobs (processors.py), if any
-        self.kind = "solo" if isinstance(drafter, AutoDrafter) and drafter.choose_base is not None else kind_of(drafter)
+        self.kind = kind_of(drafter)
         self.rng = make_rng(req.sampling.seed, cache.kt.device)
         self.key = noise_key(req.sampling)
         self.out = _Output(tokenizer, req.gen, eos_ids, req.on_event)
@@ -253,7 +243,7 @@ class Sequence:
         return self.step
 
     def draft_free(self) -> bool:
-        """This step drafts what its grammar forces, for free (engine.free_draft); -> whether it does."""
+        """This step drafts what its grammar forces, for free (step.free_draft); -> whether it does."""
         d = free_draft(self.step, self.max_draft > 0, self.remaining)
         if d is not None:
             self.draft, self.planned_k = d, len(d.tokens)

@@ -9,6 +9,7 @@
     draft_model.py   a separate, smaller model
     auto.py          the default: gates a draft by its predicted speedup
     factory.py       build(cfg, resources): a generation's drafter
+    strategies.py    the built-in strategies' registry entries (selfspec/strategies.py)
 """
 
 from selfspec.drafters.auto import AutoDrafter
@@ -20,6 +21,7 @@ from selfspec.drafters.layer_skip import LayerSkipDrafter
 from selfspec.drafters.lookup import PromptLookupDrafter
 from selfspec.drafters.lookup_first import LookupFirstDrafter
 from selfspec.drafters.quantized import QuantizedDrafter
+from selfspec.drafters import strategies as _builtin  # noqa: F401  (registers the built-in strategies)
 from selfspec.drafters.tokenwise import AdaptiveThreshold, TokenDrafter
 
 __all__ = ["AdaptiveThreshold", "AutoDrafter", "Draft", "DraftModelDrafter", "Drafter", "EarlyExitDrafter",

@@ -50,6 +50,12 @@ class AutoDrafter(Drafter):
         self.decisions: list[int] = []  # k chosen per step (0 = plain decoding), for stats/tests
 
     @property
+    def batching(self) -> str:
+        """Its base's way (auto's gating comes from the batch planner, or from auto itself);
+        calibrating on its own prefill, or with no base yet: its own passes."""
+        return "solo" if self.choose_base is not None or self.base is None else self.base.batching
+
+    @property
     def max_draft(self) -> int:
         return self.base.cfg.num_speculations if self.base is not None else self.cfg.num_speculations
 

@@ -31,6 +31,7 @@ from selfspec.config import DraftConfig, SamplingConfig
 from selfspec.processors import Processing
 from selfspec.runtime import Runtime
 from selfspec.sampling import Dist
+from selfspec.strategies import strategy
 
 
 @dataclass
@@ -86,6 +87,11 @@ class Drafter:
     @property
     def max_draft(self) -> int:
         return self.cfg.num_speculations if self.cfg.speculative else 0
+
+    @property
+    def batching(self) -> str:
+        """How the batch engine drives this drafter (strategies.BATCHINGS): its strategy's entry's."""
+        return strategy(self.cfg.strategy).batching
 
     def prefill(self, ids: torch.Tensor, cache: KVCache, argmax_only: bool = False) -> torch.Tensor | int:
         self.start(cache)

@@ -32,6 +32,10 @@ class EarlyExitDrafter(TokenDrafter):
         self.exit = cfg.exit_layer
         self._exit_h: list[torch.Tensor] = []
 
+    def depth_signature(self) -> tuple:
+        """What it drafts with (batch/passes.signature): its runtime to the exit, its draft head."""
+        return (self.rt, self.exit, self.draft_head, frozenset(), frozenset())
+
     def _exit_hidden(self, tokens, pos: int, cache: KVCache) -> torch.Tensor:
         """Layers 0..E-1 over tokens (ids) at positions pos.. (their KV written): -> [T, H]."""
         ids = torch.as_tensor(tokens, device=self.rt.device)

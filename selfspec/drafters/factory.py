@@ -1,74 +1,49 @@
-"""Building a generation's drafter from a DraftConfig and the model's shared resources."""
+"""Building a generation's drafter from a DraftConfig and the model's shared resources (each
+strategy's registry entry builds its own: strategies.py, drafters/strategies.py)."""
 
 from __future__ import annotations
 
 import logging
 
-from selfspec.config import SELF_DRAFTING, DraftConfig
+from selfspec.config import DraftConfig
 from selfspec.errors import SelfSpecError
 from selfspec.drafters.auto import AutoDrafter
 from selfspec.drafters.base import Drafter
-from selfspec.drafters.draft_model import DraftModelDrafter
-from selfspec.drafters.early_exit import EarlyExitDrafter, ExitAdapterDrafter
-from selfspec.drafters.layer_skip import LayerSkipDrafter
-from selfspec.drafters.lookup import PromptLookupDrafter
 from selfspec.drafters.lookup_first import LookupFirstDrafter
-from selfspec.drafters.quantized import QuantizedDrafter
 from selfspec.predictor.calibrate import AUTO_DRAFT_BITS, AUTO_DRAFT_VOCAB, calibrate, calibration_exits
 from selfspec.profiles import installed_profile
 from selfspec.resources import DraftResources
+from selfspec.strategies import strategy
 
 _log = logging.getLogger("selfspec")
 _noted_unrunnable: set[str] = set()
 
 
 def runs_here(cfg: DraftConfig, rt) -> bool:
-    """Whether cfg can draft on this runtime: a quantized copy needs the CPU kernels."""
-    quantized = cfg.strategy == "quantized" or (cfg.base is not None and cfg.base.strategy == "quantized")
-    return rt.uses_kernels or not quantized
+    """Whether cfg can draft on this runtime: a strategy that needs the CPU kernels (the
+    quantized copy), itself or as auto's base, needs them here."""
+    needs = strategy(cfg.strategy).needs_kernels or (cfg.base is not None and strategy(cfg.base.strategy).needs_kernels)
+    return rt.uses_kernels or not needs
 
 
 def build(cfg: DraftConfig, res: DraftResources, eos_ids: tuple[int, ...] = (), vocab: bool = True) -> Drafter:
     """A new drafter for one generation of cfg (its state is its own; the weights it drafts
-    with are `res`'s, made on first use). vocab=False: leave cfg.draft_vocab to the caller
-    (set_draft_vocab), e.g. without token frequencies."""
+    with are `res`'s, made on first use): its strategy's registry entry builds it
+    (strategies.py). vocab=False: leave cfg.draft_vocab to the caller (set_draft_vocab), e.g.
+    without token frequencies."""
     rt = res.runtime
     cfg.check_model(rt.num_layers, rt.spec.vocab_size)
-    if cfg.strategy == "auto":
-        return build_auto(cfg, res, eos_ids)
     if cfg.lookup_first:  # the inner self-drafter's own configuration has no lookup part
         inner = build(cfg.replace(lookup_first=False, max_ngram=DraftConfig.max_ngram), res, eos_ids, vocab)
         return LookupFirstDrafter(inner, cfg)
-    s = cfg.strategy
-    if s == "autoregressive":
-        return Drafter(rt, cfg, eos_ids)
-    if s == "prompt-lookup":
-        return PromptLookupDrafter(rt, cfg, eos_ids)
-    if s == "draft-model":
-        d = DraftModelDrafter(rt, cfg, eos_ids, res.draft_model(cfg.draft_model))
-        if cfg.draft_vocab is not None and vocab:  # restricts the draft model's own logits
-            d.set_draft_vocab(res.draft_vocabulary(cfg.draft_vocab))
-        return d
-    if s == "exit-adapter":
-        adapter, weights = res.adapter(cfg.adapter, cfg.exit_layer)
-        d = ExitAdapterDrafter(rt, cfg.replace(exit_layer=adapter.meta.exit_layer), eos_ids, adapter, weights)
-    elif s == "early-exit":
-        d = EarlyExitDrafter(rt, cfg, eos_ids)
-    elif s == "layer-skip":
-        d = LayerSkipDrafter(rt, cfg, eos_ids)
-    elif s == "quantized":
-        d = QuantizedDrafter(rt, cfg, eos_ids, draft_rt=res.quantized(cfg.draft_bits))
-        _draft_over(d, res, cfg.draft_vocab if vocab else None, cfg.head_bits)
-        return d
-    else:  # pragma: no cover - DraftConfig validates strategies
-        raise AssertionError(s)
-    if cfg.draft_vocab is not None and vocab:
-        _draft_over(d, res, cfg.draft_vocab)
-    return d
+    return strategy(cfg.strategy).build(cfg, res, eos_ids, vocab)
 
 
-def _draft_over(d, res: DraftResources, n: int | None, bits: int | None = None) -> None:
-    """d drafts over the n most frequent tokens (None: all) with res's head for them."""
+def draft_over(d, res: DraftResources, n: int | None, bits: int | None = None, always: bool = False) -> None:
+    """d drafts over the n most frequent tokens (None: all) with res's head for them (its
+    weights in `bits`, None: the model's own); nothing to do for n None unless `always`."""
+    if n is None and not always:
+        return
     vocab, head = res.draft_head(n, bits)
     d.set_draft_vocab(vocab, head, None if vocab is None else res.sub_vocab(vocab))
 
@@ -124,7 +99,7 @@ def build_auto(cfg: DraftConfig, res: DraftResources, eos_ids: tuple[int, ...] =
             prior = profile_prior(prof)
     if base_cfg is not None:
         base = build(base_cfg, res, eos_ids)
-        if source == "profile" and base_cfg.strategy in SELF_DRAFTING and not base_cfg.lookup_first:
+        if source == "profile" and strategy(base_cfg.strategy).self_drafting and not base_cfg.lookup_first:
             # greedy decoding takes a prompt-lookup match first (free drafts, which auto's
             # acceptance estimate leaves out: Draft.copied), or, over a quantized copy, as a
             # guess of that draft's own tokens (greedy and sampling: LookupFirstDrafter)

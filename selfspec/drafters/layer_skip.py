@@ -25,6 +25,11 @@ class LayerSkipDrafter(TokenDrafter):
         self.exit = cfg.exit_layer or runtime.num_layers
         self.skip_attn, self.skip_mlp = frozenset(cfg.skip_attn), frozenset(cfg.skip_mlp)
 
+    def depth_signature(self) -> tuple:
+        """What it drafts with (batch/passes.signature): the draft runtime to the exit, the
+        draft head, the skipped sub-layers."""
+        return (self.draft_rt, self.exit, self.draft_head, self.skip_attn, self.skip_mlp)
+
     def draft(self, step: Step) -> Draft:
         return self.draft_guessed(step)
 

@@ -3,17 +3,18 @@ wrapped self-drafter's own), else the wrapped self-drafter."""
 
 from __future__ import annotations
 
-from selfspec.config import GUESS_CHECKING, DraftConfig
+from selfspec.config import DraftConfig
 from selfspec.drafters.base import Draft, Drafter
 from selfspec.drafters.lookup import PromptLookupDrafter
 from selfspec.lookup import copy_held, lookup_continuation, until_eos
+from selfspec.strategies import strategy
 
 
 class LookupFirstDrafter(Drafter):
     """The copy is the draft, and the wrapped drafter verifies it too (verify_foreign: a full
     forward pass, or early exit's split one), so any per-position state it keeps stays whole;
     its adaptation follows its own drafts only. Except where the wrapped drafter checks
-    guesses (config.GUESS_CHECKING: the quantized copy, which agrees with the model far more often
+    guesses (its registry entry's checks_guesses: the quantized copy, which agrees with the model far more often
     than a copy is accepted): there the copies are guesses of its own tokens
     (LayerSkipDrafter.draft_guessed: the same draft, the same random numbers, one pass for
     as long as a copy foretells it; after a disagreement, a new lookup of the context with
@@ -38,6 +39,12 @@ class LookupFirstDrafter(Drafter):
         self.name = f"{inner.name}+lookup" + (" (greedy)" if greedy_only else "")
         self._last: tuple[int, list[int]] | None = None  # (pending position, the copy looked up there)
 
+    @property
+    def batching(self) -> str:
+        """Greedy-only lookup-first drafts with its self-draft alone in a batch (batch/sequence.
+        batch_drafter); with copies of its own, it runs its own passes."""
+        return self.inner.batching if self.greedy_only else "solo"
+
     def prefill(self, ids, cache, argmax_only=False):
         self._last = None
         return self.inner.prefill(ids, cache, argmax_only)
@@ -57,7 +64,7 @@ class LookupFirstDrafter(Drafter):
         return copy, hot
 
     def draft(self, step):
-        guesses = self.inner.cfg.strategy in GUESS_CHECKING  # a copy then changes only what a draft costs
+        guesses = strategy(self.inner.cfg.strategy).checks_guesses  # a copy then changes only what a draft costs
         if step.k <= 0 or not (step.sampling.greedy or guesses or not self.greedy_only):
             return self.inner.draft(step)
         if guesses:  # the inner draft itself, sped up by copies

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from selfspec.config import GUESS_CHECKING, DraftConfig
+from selfspec.config import DraftConfig
 from selfspec.lookup import lookup_continuation
 from selfspec.predictor.costs import CostModel
+from selfspec.strategies import strategy
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -96,7 +97,7 @@ def simulate(cfg: DraftConfig, cal: Agreement, costs: CostModel, adapter_cost: f
     the leading matches and commits accepted + 1 tokens, like the engine (k is capped so
     a step never commits past the end). With cfg.lookup_first, `tokens` is the whole
     sequence and position t of `cal` is tokens[start + t]: a prompt-lookup match, when there
-    is one, is drafted instead and verified by a full pass (a strategy in GUESS_CHECKING drafts
+    is one, is drafted instead and verified by a full pass (a strategy that checks guesses drafts
     its own tokens with the match as a guess: the same drafts, fewer passes)."""
     T, K = len(cal.match), cfg.num_speculations
     gamma = cfg.draft_threshold
@@ -109,7 +110,7 @@ def simulate(cfg: DraftConfig, cal: Agreement, costs: CostModel, adapter_cost: f
         if cfg.lookup_first and k > 0:
             q = start + p  # absolute index of the pending token
             draft = lookup_continuation(tokens[: q + 1], cfg.max_ngram, k)
-            guessed = bool(draft) and cfg.strategy in GUESS_CHECKING
+            guessed = bool(draft) and strategy(cfg.strategy).checks_guesses
             if draft and not guessed:
                 p += out.step(len(draft), _matching_prefix(draft, tokens, q + 1), costs.verify(len(draft) + 1))
                 continue

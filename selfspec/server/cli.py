@@ -13,9 +13,10 @@ import sys
 
 import torch
 
+from selfspec import strategies
 from selfspec.batch.engine import default_prefill_chunk
 from selfspec.cli_args import add_chat_template_arg, add_draft_args, add_model_args, check_before_loading, choice, draft_config_from_args, load_model
-from selfspec.config import COUPLINGS, MAX_SPECULATIONS, STRATEGIES, SamplingConfig
+from selfspec.config import COUPLINGS, MAX_SPECULATIONS, SamplingConfig
 from selfspec.errors import SelfSpecError
 from selfspec.extras import missing, require
 from selfspec.server.ray_deploy import serve_with_ray
@@ -56,7 +57,7 @@ def register(subparsers) -> None:
                         f"{PROMPT_TOKENS_PER_CORE} per CPU core, at most the model's context - 1)")
     p.add_argument("--allowed-strategies", default=None,
                    help="comma-separated strategies a request may pick in its 'selfspec' field "
-                        f"(default: all but draft-model; choose from {', '.join(STRATEGIES)})")
+                        f"(default: all but draft-model; choose from {', '.join(strategies.names())})")
     p.add_argument("--max-num-speculations", type=int, default=MAX_SPECULATIONS,
                    help="the largest num_speculations a request may ask for (default: %(default)s)")
     p.add_argument("--no-request-draft", action="store_true", help="reject per-request 'selfspec' draft options")

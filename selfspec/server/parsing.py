@@ -27,8 +27,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from selfspec import strategies
 from selfspec.coercion import ConfigError, ConfigTypeError, typed
-from selfspec.config import STRATEGIES, DraftConfig, SamplingConfig
+from selfspec.config import DraftConfig, SamplingConfig
 from selfspec.errors import SelfSpecError
 from selfspec.server.errors import APIError, bad
 from selfspec.grammar import grammar_matcher
@@ -76,7 +77,7 @@ class ParseContext:
     @classmethod
     def for_model(cls, model, draft: DraftConfig, settings: ServerSettings) -> ParseContext:
         if settings.allowed_strategies is None:
-            allowed = [s for s in STRATEGIES if s != "draft-model"]
+            allowed = [s for s in strategies.names() if s != "draft-model"]
         else:
             allowed = list(settings.allowed_strategies)
         if draft.strategy not in allowed:

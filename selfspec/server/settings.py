@@ -8,8 +8,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
+from selfspec import strategies
 from selfspec.coercion import coerce_fields
-from selfspec.config import COUPLINGS, MAX_SPECULATIONS, STRATEGIES, SamplingConfig
+from selfspec.config import COUPLINGS, MAX_SPECULATIONS, SamplingConfig
 from selfspec.errors import SelfSpecError
 
 # Draft options a request may set in its `selfspec` object. Never draft_model (a path on the
@@ -69,9 +70,9 @@ class ServerSettings:
             raise SelfSpecError(f"max_num_speculations must be in 1..{MAX_SPECULATIONS}, got {self.max_num_speculations}")
         if self.allowed_strategies is not None:
             self.allowed_strategies = tuple(self.allowed_strategies)
-            bad = [s for s in self.allowed_strategies if s not in STRATEGIES]
+            bad = [s for s in self.allowed_strategies if not strategies.known(s)]
             if bad:
-                raise SelfSpecError(f"unknown strategy {bad[0]!r} in allowed strategies; choose from {', '.join(STRATEGIES)}")
+                raise SelfSpecError(f"unknown strategy {bad[0]!r} in allowed strategies; choose from {', '.join(strategies.names())}")
         if self.coupling not in COUPLINGS:
             raise SelfSpecError(f"unknown coupling {self.coupling!r}; choose from {', '.join(COUPLINGS)}")
         self.default_max_tokens = min(self.default_max_tokens, self.max_new_tokens_limit)
