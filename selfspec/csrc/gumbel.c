@@ -344,3 +344,29 @@ long selfspec_gumbel_reach_range(const float *lo, const float *up, long i0, long
     return keep_reaching(out, us, found, thr);
 }
 
+
+/* The screened nucleus's sums (selfspec/sampled_head.py: is the unrestricted pick, of score
+ * xt, inside the top-k / top-p support?) over the entries j < n outside skip [ns] (ascending:
+ * those whose logits are known exactly), from bounds lo_j <= l_j <= up_j and the row's max m:
+ * xu = fl(up / T) >= x_j, xl = fl(lo / T) <= x_j (fp32 division is monotone; T 1: none).
+ *   out[0] = sum of exp(xu - m) over {xu > xt}   >= the exact mass strictly above xt there
+ *   out[1] = |{xu > xt}|                          >= the count strictly above xt there
+ *   out[2] = sum of exp(xl - m) over {xl >= m - cut}   <= the exact mass there
+ * In fp64 with libm's exp: the caller's relative margin covers these roundings as well as
+ * csrc/sampling.c's (fp32 exps and block sums). */
+void selfspec_nucleus_tail(const float *lo, const float *up, long n, float T, float xt, float m, float cut,
+                           const int32_t *skip, long ns, double *out) {
+    int div = T != 1.0f;
+    double a = 0.0, z = 0.0;
+    long cnt = 0, k = 0;
+    float zl = m - cut;
+    for (long j = 0; j < n; j++) {
+        if (k < ns && skip[k] == j) { k++; continue; }
+        float xu = div ? up[j] / T : up[j];
+        if (xu > xt) { a += exp((double)xu - (double)m); cnt++; }
+        if (xu < zl) continue;  /* xl <= xu: below the cut too */
+        float xl = div ? lo[j] / T : lo[j];
+        if (xl >= zl) z += exp((double)xl - (double)m);
+    }
+    out[0] = a; out[1] = (double)cnt; out[2] = z;
+}

@@ -152,3 +152,18 @@ def gumbel_reach(lo: torch.Tensor, up: torch.Tensor, temperature: float, key: in
     if n == -2:
         raise MemoryError("kernels.gumbel_reach: out of memory")
     return None if n < 0 or n > cap else (out[:n], us[:n], float(thr))
+
+
+def nucleus_tail(lo: torch.Tensor, up: torch.Tensor, temperature: float, xt: float, m: float, cut: float,
+                 skip: torch.Tensor) -> tuple[float, int, float]:
+    """Over the entries of bounds lo <= logits <= up ([V] fp32) outside skip (int32 ascending), with
+    xu = fl(up / T), xl = fl(lo / T) (csrc/gumbel.c selfspec_nucleus_tail): (sum of exp(xu - m)
+    over xu > xt, how many, sum of exp(xl - m) over xl >= m - cut), fp64."""
+    fn = _dll().selfspec_nucleus_tail
+    if fn.argtypes is None:
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] + [ctypes.c_float] * 4 + [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
+    skip = skip.contiguous()
+    out = (ctypes.c_double * 3)()
+    fn(lo.data_ptr(), up.data_ptr(), lo.shape[0], temperature, xt, m, cut, skip.data_ptr(), len(skip), out)
+    return out[0], int(out[1]), out[2]
