@@ -165,7 +165,7 @@ class HeadRow(LazyRow):
         j = int(sub[pick_entries(vals[sub], ids[sub].long(), key, pos, t)])
         token, xt, m = int(ids[j]), float(x[j]), float(x.max())
         above = x > xt
-        a_up, n_up, z_lo = nucleus_tail(lo, up, t, xt, m, CUT, ids)  # the rest of the row, from its bounds
+        a_up, n_up, _ = nucleus_tail(lo, up, t, xt, m, CUT, ids, want_z=False)  # the rest of the row, from its bounds
         if top_k is not None and int(above.sum()) + n_up >= top_k:  # maybe k tokens strictly above: maybe outside
             return None
         if top_p is None:
@@ -173,7 +173,9 @@ class HeadRow(LazyRow):
         e = (x.double() - m).exp()
         a_up += float(e[above].sum())  # >= the mass strictly above the pick (the normaliser's unit: exp(m))
         if top_k is None:
-            z_lo += float(e[x >= m - CUT].sum())  # <= Z
+            z_lo = float(e[x >= m - CUT].sum())  # <= Z: the exact terms first, the rest only where they must
+            if not a_up * (1 + REL) < top_p * z_lo * (1 - REL):
+                z_lo += nucleus_tail(lo, up, t, xt, m, CUT, ids)[2]
         else:  # Z of the top-k set >= the sum of the k largest lower terms (the i-th largest x >= the i-th largest lower x)
             xl = (lo / t).index_put_((ids.long(),), x)
             d = xl.topk(top_k).values.double() - m
