@@ -4,15 +4,16 @@ Default model, bfloat16, held-out prompts (the built-in sets code, text and summ
 seed 7; the tests use seed 0), seeded Gumbel-max sampling. Arms, interleaved prompt by prompt
 for --rounds rounds (the machine's drift hits every arm alike):
 
-  AR greedy | AR T 1 (screened, exact head) | AR T 0.8 top_p 0.95 | AR T 0.8 top_k 40
-  auto greedy | auto T 1 (screened, exact head) | auto T 0.8 top_p 0.95
+  AR greedy | AR T 1 | AR T 0.8 top_p 0.95 | AR T 0.8 top_k 40
+  auto greedy | auto T 1 | auto T 0.8 top_p 0.95
+  (each sampled arm screened, and through the exact head)
 
 "exact head" arms run with sampled_head.ENABLED off (every sampled row through the bf16 head,
 as before the screen). Prints tok/s (all tokens of an arm over its time), the ratios to the
 strategy's greedy (median over rounds of each round's ratio) and whether every screened text is
 its exact-head text. Exit status 1 if one is not.
 
-    python benchmarks/screened_sampling.py [--rounds 5] [--max-new-tokens 128] [--json out.json]
+    python benchmarks/screened_sampling.py [--rounds 5] [--max-new-tokens 128] [--only AR] [--json out.json]
 """
 
 from __future__ import annotations
@@ -39,12 +40,18 @@ ARMS = {
     "AR T 1": ("autoregressive", T1, True),
     "AR T 1, exact head": ("autoregressive", T1, False),
     "AR T 0.8 top_p 0.95": ("autoregressive", TOP_P, True),
+    "AR T 0.8 top_p 0.95, exact head": ("autoregressive", TOP_P, False),
     "AR T 0.8 top_k 40": ("autoregressive", TOP_K, True),
+    "AR T 0.8 top_k 40, exact head": ("autoregressive", TOP_K, False),
     "auto greedy": ("auto", {}, True),
     "auto T 1": ("auto", T1, True),
     "auto T 1, exact head": ("auto", T1, False),
     "auto T 0.8 top_p 0.95": ("auto", TOP_P, True),
+    "auto T 0.8 top_p 0.95, exact head": ("auto", TOP_P, False),
 }
+
+
+FULL = {}  # arm -> its rows the screen could not decide (through the full head)
 
 
 def prompts() -> list[str]:
@@ -53,6 +60,7 @@ def prompts() -> list[str]:
 
 def run(model, rounds: int, n_new: int) -> tuple[dict, dict, dict]:
     """-> (arm -> [tokens, seconds], arm -> per-round tok/s, (arm, prompt, seed) -> token ids)."""
+    sh = screened_head(model.runtime)
     total = {a: [0, 0.0] for a in ARMS}
     per_round = {a: [] for a in ARMS}
     texts = {}
@@ -62,6 +70,7 @@ def run(model, rounds: int, n_new: int) -> tuple[dict, dict, dict]:
         for pi, p in enumerate(ps):
             for arm, (strategy, sampling, screened) in ARMS.items():
                 sampled_head.ENABLED = screened
+                full0 = sh.pick_full
                 kw = dict(sampling, seed=100 * r + pi) if sampling else {}
                 t0 = time.perf_counter()
                 out = model.generate(p, max_new_tokens=n_new, strategy=strategy, **kw)
@@ -71,6 +80,8 @@ def run(model, rounds: int, n_new: int) -> tuple[dict, dict, dict]:
                     acc[0] += len(out.token_ids)
                     acc[1] += dt
                 texts[(arm, pi, r)] = out.token_ids
+                if screened and sampling:
+                    FULL[arm] = FULL.get(arm, 0) + sh.pick_full - full0
         for arm in ARMS:
             per_round[arm].append(step[arm][0] / step[arm][1])
     return total, per_round, texts
@@ -81,7 +92,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--only", default=None, help="arms starting with this (AR or auto)")
     args = ap.parse_args()
+    if args.only:
+        for arm in [a for a in ARMS if not a.startswith(args.only)]:
+            del ARMS[arm]
     model = selfspec.load("gemma-3-270m", dtype="bfloat16")
     model.generate(prompts()[0], max_new_tokens=8, strategy="autoregressive")  # warm: kernels, screen, auto's costs
     total, per_round, texts = run(model, args.rounds, args.max_new_tokens)
@@ -100,6 +115,7 @@ def main() -> int:
     print(f"screened texts equal to the exact head's: {same}")
     print(f"screened picks {sh.picks}: {sh.pick_candidates / max(sh.picks, 1):.1f} candidates, "
           f"{sh.pick_computed / max(sh.picks, 1):.1f} columns computed a pick; rows through the full head {sh.pick_full}")
+    print("screened rows the screen left to the full head, by arm: " + ", ".join(f"{a} {n}" for a, n in FULL.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(machine=machine(), rounds=args.rounds, max_new_tokens=args.max_new_tokens, arms=rows, same=same), f, indent=1)

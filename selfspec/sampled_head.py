@@ -14,14 +14,21 @@ the int8 copy; here those bounds carry through the score, because every step of 
 
 A token outside cand has s_v <= fl(fl(up_v / T) + g_v) < thr <= max s: it can neither win nor
 tie, so the token is the unscreened pick's, bit for bit (not a tolerance: a proof).
-top-k (temperature then top-k, no top-p): x_(k), the k-th largest x, is >= fl(lo_(k) / T)
-(lo_(k): the k-th largest lo; order statistics commute with monotone maps). So
-Tk = { v : fl(up_v / T) >= fl(lo_(k) / T) } holds every v with x_v >= x_(k), the support; its
-exact logits give x_(k) exactly (the k largest x all lie in Tk), the support, and the pick over
-it as sampling.py's Explicit row makes it (x = l / T in torch, then T 1).
-top-k is off by default (SCREEN_TOP_K). Not screened (the full head decides): top-p (the nucleus needs the normaliser, a sum over every
-token), processed rows (penalties, min_p, bias, grammar: engine.py passes them as full rows),
-rows whose bounds are not finite, and rows with more than CAP candidates.
+top-k and top-p (sampling.py: a threshold on x, decided over the exact x): the pick over the
+support is t*, the pick over the whole row, whenever t* is in the support (it is the first maximum
+over a superset). So: t* as above, over exact columns that also hold {up >= max lo} (the row's
+maximum, so m = max x exactly), then from the bounds for the rest of the row (xu = fl(up / T)
+>= x, xl = fl(lo / T) <= x; csrc/gumbel.c selfspec_nucleus_tail):
+    top-k: fewer than k tokens can be strictly above x_t* (exact ones, plus xu > x_t* elsewhere);
+    top-p: A = the mass strictly above x_t* <= sum over exact x > x_t* and over xu > x_t* of
+           exp(. - m); Z >= sum of exact terms and of exp(xl - m) (terms under exp(-CUT) left out;
+           top-k first: the k largest of those); t* is kept iff A < top_p Z as csrc/sampling.c
+           sums them (fp32 exps, fp32 block sums, fp64 across), so A (1 + REL) < top_p Z (1 - REL)
+           with REL above every rounding of both sides proves it.
+Where the test fails (t* maybe outside: about the share 1 - top_p of rows, plus a margin band;
+a top-p boundary exactly on a token always) the full head decides. Not screened: processed rows
+(penalties, min_p, bias, grammar: engine.py passes them as full rows), rows whose bounds are not
+finite, and rows with more than CAP candidates (TRUNCATED_COLUMNS exact columns when truncated).
 """
 
 from __future__ import annotations
@@ -36,16 +43,15 @@ from selfspec import kernels
 from selfspec.config import SamplingConfig
 from selfspec.coupling import LazyRow, pick_entries
 from selfspec.greedy_head import ScreenedHead
-from selfspec.kernels.screen import act_residual, exact_columns, gumbel_reach, screen_bounds, screen_qgemm
+from selfspec.kernels.screen import act_residual, exact_columns, gumbel_reach, nucleus_tail, screen_bounds, screen_qgemm
 
 ENABLED = os.environ.get("SELFSPEC_EXACT_PICKS") != "1"  # off: every sampled row is computed in full (benchmarks)
 CAP = 4096  # candidates a row may have before the full head decides it
 ROUND = 8  # candidates computed first (of largest upper score) when there are more
-# top-k through the screen: exact, but its support's bound band (every token whose upper bound
-# reaches the k-th largest lower bound) is hundreds to thousands of columns wide on the default
-# model, more than the full head costs, so top-k rows take the full head unless this is set
-SCREEN_TOP_K = False
-TOPK_COLUMNS = 512  # exact columns a top-k row may take (each reads a cache line per k-row) before the full head is cheaper
+SCREEN_TRUNCATED = True  # top-k / top-p rows through the screen (off: the full head decides them)
+TRUNCATED_COLUMNS = 1024  # exact columns a truncated row may take before the full head is cheaper
+CUT = 20.0  # normaliser terms below exp(-CUT) of the largest are left out of its lower bound
+REL = 2.0**-12  # relative margin > csrc/sampling.c's roundings of the masses (fp32 exps and block sums) and ours
 _FLT_MAX = 3.4028234663852886e38
 
 
@@ -103,8 +109,10 @@ class HeadRow(LazyRow):
     def gumbel(self, cfg: SamplingConfig, key: int, pos: int) -> int | None:
         """The token coupling.gumbel_token picks from the full row under cfg with the noise of
         (key, pos), or None where the screen cannot decide it (module doc)."""
-        top_k = cfg.top_k is not None and cfg.top_k < self.rows.shape[1]
-        if (cfg.top_p is not None and cfg.top_p < 1.0) or (top_k and not SCREEN_TOP_K):
+        v = self.rows.shape[1]
+        top_k = cfg.top_k if cfg.top_k is not None and cfg.top_k < v else None
+        top_p = cfg.top_p if cfg.top_p is not None and cfg.top_p < 1.0 else None
+        if (top_k is not None or top_p is not None) and not SCREEN_TRUNCATED:
             return None
         a, xn, dxn = self.rows.screened()
         bounds = screen_bounds(a[self.i], self.rows.screen.ab, float(xn[self.i]), float(dxn[self.i]),
@@ -112,9 +120,9 @@ class HeadRow(LazyRow):
         if bounds is None:
             return None
         self.rows.screen.picks += 1
-        if top_k:
-            return self._top_k(bounds, cfg, key, pos)
-        return self._temperature(bounds, cfg.temperature, key, pos)
+        if top_k is None and top_p is None:
+            return self._temperature(bounds, cfg.temperature, key, pos)
+        return self._truncated(bounds, cfg.temperature, top_k, top_p, key, pos)
 
     def _temperature(self, bounds: tuple[torch.Tensor, torch.Tensor], temperature: float, key: int, pos: int) -> int | None:
         reach = gumbel_reach(*bounds, temperature, key, pos, CAP)  # every token whose upper score reaches the best lower one
@@ -135,21 +143,44 @@ class HeadRow(LazyRow):
             return None
         return int(ids[pick_entries(vals, ids, key, pos, temperature)])
 
-    def _top_k(self, bounds: tuple[torch.Tensor, torch.Tensor], cfg: SamplingConfig, key: int, pos: int) -> int | None:
+    def _truncated(self, bounds: tuple[torch.Tensor, torch.Tensor], t: float, top_k: int | None, top_p: float | None,
+                   key: int, pos: int) -> int | None:
+        """The pick over the whole row (as _temperature) if it is surely inside the top-k / top-p
+        support (module doc), else None."""
         lo, up = bounds
-        k, t = cfg.top_k, cfg.temperature
-        lo_k = torch.topk(lo, k, sorted=False).values.min()  # the k-th largest lo
-        tk = ((up / t) >= (lo_k / t)).nonzero().flatten().to(torch.int32)  # x-space, as the support is decided
-        if len(tk) > TOPK_COLUMNS or len(tk) < k:
+        reach = gumbel_reach(lo, up, t, key, pos, CAP)
+        if reach is None:
             return None
-        self.rows.screen.pick_candidates += len(tk)
-        vals = self.rows.exact(self.i, tk)
+        cand = reach[0]
+        top = (up >= lo.max()).nonzero().flatten().to(torch.int32)  # holds the row's maximum: m exactly
+        ids = torch.unique(torch.cat([cand, top]))  # int32 ascending
+        if len(ids) > TRUNCATED_COLUMNS:
+            return None
+        self.rows.screen.pick_candidates += len(ids)
+        vals = self.rows.exact(self.i, ids)
         if vals is None:
             return None
-        xs = vals / t  # sampling.distribution's Explicit xs: row[ids] / T
-        keep = xs >= torch.topk(xs, k, sorted=False).values.min()
-        ids = tk[keep].long()
-        return int(ids[pick_entries(xs[keep], ids, key, pos)])
+        x = vals / t  # x = fl(l / T), as csrc/sampling.c divides
+        sub = torch.isin(ids, cand).nonzero().flatten()
+        j = int(sub[pick_entries(vals[sub], ids[sub].long(), key, pos, t)])
+        token, xt, m = int(ids[j]), float(x[j]), float(x.max())
+        above = x > xt
+        a_up, n_up, _ = nucleus_tail(lo, up, t, xt, m, CUT, ids, want_z=False)  # the rest of the row, from its bounds
+        if top_k is not None and int(above.sum()) + n_up >= top_k:  # maybe k tokens strictly above: maybe outside
+            return None
+        if top_p is None:
+            return token
+        e = (x.double() - m).exp()
+        a_up += float(e[above].sum())  # >= the mass strictly above the pick (the normaliser's unit: exp(m))
+        if top_k is None:
+            z_lo = float(e[x >= m - CUT].sum())  # <= Z: the exact terms first, the rest only where they must
+            if not a_up * (1 + REL) < top_p * z_lo * (1 - REL):
+                z_lo += nucleus_tail(lo, up, t, xt, m, CUT, ids)[2]
+        else:  # Z of the top-k set >= the sum of the k largest lower terms (the i-th largest x >= the i-th largest lower x)
+            xl = (lo / t).index_put_((ids.long(),), x)
+            d = xl.topk(top_k).values.double() - m
+            z_lo = float(d[d >= -CUT].exp().sum())
+        return token if a_up * (1 + REL) < top_p * z_lo * (1 - REL) else None
 
 
 def _c_score(xs: torch.Tensor, temperature: float, ids: torch.Tensor | None, key: int, pos: int) -> float | None:

@@ -16,7 +16,7 @@ from selfspec import kernels, sampled_head
 from selfspec.config import SamplingConfig
 from selfspec.coupling import gumbel_noise, gumbel_token
 from selfspec.greedy_head import ScreenedHead, screened_head
-from selfspec.kernels.screen import gumbel_reach, screen_bounds
+from selfspec.kernels.screen import exp_bound, gumbel_reach, nucleus_tail, screen_bounds
 
 from test_greedy_head import LAYOUTS, _full, _head, _rows
 from test_kernels import needs_kernels
@@ -25,7 +25,10 @@ pytestmark = needs_kernels
 
 CFGS = [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.8), SamplingConfig(temperature=0.05),
         SamplingConfig(temperature=3.0), SamplingConfig(temperature=0.7, top_k=5), SamplingConfig(temperature=1.0, top_k=1),
-        SamplingConfig(temperature=0.8, top_k=300), SamplingConfig(temperature=0.8, top_p=0.9)]
+        SamplingConfig(temperature=0.8, top_k=300), SamplingConfig(temperature=0.8, top_p=0.9),
+        SamplingConfig(temperature=0.8, top_p=0.5), SamplingConfig(temperature=1.0, top_p=1e-6),
+        SamplingConfig(temperature=1.0, top_p=0.999999), SamplingConfig(temperature=0.05, top_p=0.95),
+        SamplingConfig(temperature=0.7, top_k=5, top_p=0.8), SamplingConfig(temperature=1.3, top_k=300, top_p=0.95)]
 
 
 def _adversarial(k: int, v: int, dtype, layout: str):
@@ -67,56 +70,70 @@ def _both(head, x, cfg, keys=range(12), pos0=100) -> tuple[list[int], list[int]]
 def test_adversarial_rows_pick_the_exact_token(monkeypatch, layout, dtype):
     if layout == "pairs" and dtype != torch.bfloat16:
         pytest.skip("the pair layout is bf16 only")
-    monkeypatch.setattr(sampled_head, "SCREEN_TOP_K", True)
+    monkeypatch.setattr(sampled_head, "SCREEN_TRUNCATED", True)
     head, x = _adversarial(128, 1500, dtype, layout)
     for cfg in CFGS:
         got, want = _both(head, x, cfg)
         assert got == want, cfg
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_top_p_boundary_on_a_token(layout, dtype):
+    """top_p set to the cumulative mass through the j-th largest token (and one fp64 step either
+    side): the nucleus ends exactly on a token, where only the exact sums can decide."""
+    if layout == "pairs" and dtype != torch.bfloat16:
+        pytest.skip("the pair layout is bf16 only")
+    head, x = _adversarial(128, 1500, dtype, layout)
+    full = _full(x, head)
+    for i in range(x.shape[0]):
+        for t in (1.0, 0.8):
+            cum = (full[i] / t).double().softmax(-1).sort(descending=True).values.cumsum(0)
+            for j in (0, 1, 2, 5, 40):
+                c = torch.tensor(float(cum[j]), dtype=torch.float64)
+                for p in (c, c.nextafter(torch.tensor(0.0, dtype=torch.float64)), c.nextafter(torch.tensor(2.0, dtype=torch.float64))):
+                    if 0.0 < float(p) < 1.0:
+                        cfg = SamplingConfig(temperature=t, top_p=float(p))
+                        got, want = _both(head, x[i : i + 1], cfg, keys=range(6), pos0=7 + i)
+                        assert got == want, (i, t, j, float(p))
+
+
 def test_the_screen_decides_most_rows():
     head, x = _adversarial(128, 1500, torch.bfloat16, "packed")
-    sh = ScreenedHead.make(head)
-    rows = sampled_head.HeadRows(x, sh, lambda x: _full(x, head))
-    for i in range(x.shape[0]):
-        gumbel_token(rows[i], SamplingConfig(temperature=1.0), 3, 9 + i)
-    assert sh.picks == x.shape[0] and sh.pick_full == 0 and sh.pick_computed < 1500 * x.shape[0] / 4
+    for cfg in (SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.8, top_p=0.9),
+                SamplingConfig(temperature=0.8, top_k=40)):
+        sh = ScreenedHead.make(head)
+        rows = sampled_head.HeadRows(x, sh, lambda x: _full(x, head))
+        for i in range(x.shape[0]):
+            gumbel_token(rows[i], cfg, 3, 9 + i)
+        assert sh.picks == x.shape[0] and sh.pick_full <= 1 and sh.pick_computed < 1500 * x.shape[0] / 4, cfg
 
 
-def test_bounds_hold_and_a_tightened_bound_is_caught(monkeypatch):
-    """lo <= logit <= up for every column; with the bound shrunk to the int8 value itself the
-    picks differ from the exact ones (the equality checks above are sharp)."""
-    w = _head(256, 4000, torch.bfloat16, "packed", seed=2)
-    x = _rows(8, 256, torch.bfloat16, head=w)
-    sh = ScreenedHead.make(w)
-    full = _full(x, w)
-    rows = sampled_head.HeadRows(x, sh, lambda x: _full(x, w))
-    a, xn, dxn = rows.screened()
-    for i in range(8):
-        lo, up = screen_bounds(a[i], sh.ab, float(xn[i]), float(dxn[i]), True)
-        assert bool((lo <= full[i]).all()) and bool((full[i] <= up).all())
-    real = screen_bounds
-    monkeypatch.setattr(sampled_head, "screen_bounds", lambda a, ab, xn, dxn, r: real(a, ab * 1e-3, xn, dxn, r))
-    got, want = _both(w, x, SamplingConfig(temperature=1.0), keys=range(40))
-    assert got != want
+def test_nucleus_tail_sums():
+    """csrc/gumbel.c's sums against torch's fp64, entries outside skip only: the mass above and
+    the count an upper bound, the normaliser's part a lower one, both within 2^-17."""
+    g = torch.Generator().manual_seed(4)
+    up = torch.randn(5003, generator=g) * 3
+    lo = up - torch.rand(5003, generator=g)
+    skip = torch.tensor([3, 17, 5002, int(up.argmax())], dtype=torch.int32).unique()
+    rest = torch.ones(5003, dtype=torch.bool)
+    rest[skip.long()] = False
+    for t in (1.0, 0.7):
+        m, xt = float((up / t).max()), float((up / t).kthvalue(4990).values)
+        a, n, z = nucleus_tail(lo, up, t, xt, m, 20.0, skip)
+        xu, xl = (up / t)[rest].double(), (lo / t)[rest].double()
+        ta, tz = float((xu[xu > xt] - m).exp().sum()), float((xl[xl >= m - 20] - m).exp().sum())
+        assert n == int((xu > xt).sum()) and ta <= a <= ta * (1 + 2**-17) and tz * (1 - 2**-17) <= z <= tz
+        assert nucleus_tail(lo, up, t, xt, m, 20.0, skip, want_z=False) == (a, n, 0.0)
 
 
-def test_reach_is_the_same_on_any_number_of_threads():
-    """A vocabulary's candidates split among threads merge to the one-thread set, exactly
-    {upper score >= the best lower score}, checked against the noise itself."""
-    g = torch.Generator().manual_seed(3)
-    up = torch.randn(262_144, generator=g) * 3
-    up[::1000] += 8  # a head of likely winners
-    lo = up - torch.rand(262_144, generator=g) * 2
-    for t, key in ((1.0, 1), (0.7, 2)):
-        one = gumbel_reach(lo, up, t, key, 5, 4096, threads=1)
-        for n in (2, 3, 4):
-            many = gumbel_reach(lo, up, t, key, 5, 4096, threads=n)
-            assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1]) and one[2] == many[2]
-        noise = gumbel_noise(key, 5, torch.arange(262_144))
-        s_up, s_lo = up / t + noise, lo / t + noise
-        assert one[2] == float(s_lo.max())
-        assert torch.equal(one[0].long(), (s_up >= one[2]).nonzero().flatten())
+def test_exp_bound_is_within_its_slack():
+    y = torch.cat([torch.linspace(-79.9, 87.9, 2_000_003), -torch.rand(100_000) * 0.001, torch.tensor([0.0, -80.0, 88.0, 100.0])])
+    e = exp_bound(y).double()
+    ref = y.double().exp()
+    mid = (y > -80) & (y < 88)
+    assert float(((e[mid] - ref[mid]).abs() / ref[mid]).max()) < 2**-20
+    assert float(e[-3]) == 0.0 and e[-2:].isinf().all()
 
 
 def _force_screen(model) -> ScreenedHead:
@@ -130,7 +147,7 @@ def test_seeded_outputs_are_the_stored_unscreened_texts(zoo, monkeypatch, arch):
     """Every strategy x sampling x prompt, solo and in generate_batch, with the screened pick (top-k
     screened too), gives the tokens stored from plain decoding before the screen existed."""
     stored = json.loads(seeded_cases.DATA.read_text())["tiny"]
-    monkeypatch.setattr(sampled_head, "SCREEN_TOP_K", True)
+    monkeypatch.setattr(sampled_head, "SCREEN_TRUNCATED", True)
     for dtype in seeded_cases.DTYPES:
         model = seeded_cases.tiny_model(zoo.get, arch, dtype)
         sh = _force_screen(model)

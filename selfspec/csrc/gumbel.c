@@ -344,3 +344,92 @@ long selfspec_gumbel_reach_range(const float *lo, const float *up, long i0, long
     return keep_reaching(out, us, found, thr);
 }
 
+
+/* e^y for y <= 88 in fp32, 8 lanes: y = n ln2 + r (two-part ln2, |r| <= 0.35), degree-6 Taylor of
+ * e^r, 2^n into the exponent; below -80 0 (< 2^-115: the callers' margins hold far more than
+ * every such term), from 88 +inf. Within 2^-20 of e^y elsewhere (relative; the callers widen
+ * their sums by EXP_SLACK; tests/test_sampled_head.py checks it on a dense grid). */
+#define EXP_SLACK 0x1p-18
+static inline f32x8 exp_bound_v(f32x8 y) {
+    i32x8 ok = y > -80.0f, big = y >= 88.0f;
+    y = sel(ok & ~big, y, fill(0.0f));
+    f32x8 t = y * 1.44269504088896341f;
+    i32x8 n = __builtin_convertvector(t + sel(t < 0.0f, fill(-0.5f), fill(0.5f)), i32x8);  /* round half away */
+    f32x8 fn = __builtin_convertvector(n, f32x8);
+    f32x8 r = (y - fn * 0.693359375f) - fn * -2.12194440e-4f;
+    f32x8 p = fill(1.0f / 720.0f);
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    f32x8 v = (f32x8)((i32x8)p + (n << 23));
+    return sel(big, fill(INFINITY), sel(ok, v, fill(0.0f)));
+}
+
+typedef double f64x8 __attribute__((vector_size(64)));
+
+/* lanes of entries [i, i + 8) (past n: none): e^(xu - m) where xu > xt into *a (and how many
+ * into *c), e^(xl - m) where xl >= zl into *z (want_z). pu, pl: raw thresholds below xt T and
+ * zl T, so that up <= pu proves xu <= xt and lo < pl proves xl < zl: most lanes need no division */
+static inline void tail_lanes(const float *lo, const float *up, long i, long n, int div, float T, float xt, float m,
+                              float zl, float pu, float pl, int want_z, f64x8 *a, long *c, f64x8 *z) {
+    f32x8 u = fill(-INFINITY), l = fill(-INFINITY);
+    if (i + 8 <= n) { memcpy(&u, up + i, sizeof(u)); memcpy(&l, lo + i, sizeof(l)); }
+    else for (long q = 0; i + q < n; q++) { u[q] = up[i + q]; l[q] = lo[i + q]; }
+    i32x8 in = u > pu;
+    if (in[0] | in[1] | in[2] | in[3] | in[4] | in[5] | in[6] | in[7]) {
+        if (div) u = u / T;
+        in = u > xt;
+        *a += __builtin_convertvector(sel(in, exp_bound_v(u - m), fill(0.0f)), f64x8);
+        for (int q = 0; q < 8; q++) *c += in[q] != 0;
+    }
+    if (!want_z) return;
+    i32x8 iz = l >= pl;
+    if (iz[0] | iz[1] | iz[2] | iz[3] | iz[4] | iz[5] | iz[6] | iz[7]) {
+        if (div) l = l / T;
+        iz = l >= zl;
+        *z += __builtin_convertvector(sel(iz, exp_bound_v(l - m), fill(0.0f)), f64x8);
+    }
+}
+
+/* a float below v t (exact product less its rounding and more): the raw side of x = v */
+static inline float raw_below(float v, float t) {
+    float p = v * t;
+    return p - (fabsf(p) * 0x1p-20f + FLT_MIN);
+}
+
+/* The screened nucleus's sums (selfspec/sampled_head.py: is the unrestricted pick, of score
+ * xt, inside the top-k / top-p support?) over the entries j < n outside skip [ns] (ascending, in
+ * [0, n): those whose logits are known exactly), from bounds lo_j <= l_j <= up_j and the row's
+ * max m: xu = fl(up / T) >= x_j, xl = fl(lo / T) <= x_j (fp32 division is monotone; T 1: none).
+ *   out[0] >= sum of exp(xu - m) over {xu > xt}   (>= the exact mass strictly above xt there)
+ *   out[1] = |{xu > xt}|                           (>= the count strictly above xt there)
+ *   out[2] <= sum of exp(xl - m) over {xl >= m - cut}, when want_z (<= the exact mass there)
+ * The skipped entries' lanes are summed as well, then subtracted (the same lanes, the same
+ * values): the fp64 rounding left is the caller's margin's. */
+void selfspec_nucleus_tail(const float *lo, const float *up, long n, float T, float xt, float m, float cut,
+                           const int32_t *skip, long ns, int want_z, double *out) {
+    int div = T != 1.0f;
+    float zl = m - cut, pu = div ? raw_below(xt, T) : xt, pl = div ? raw_below(zl, T) : zl;
+    f64x8 a = {0}, z = {0}, as = {0}, zs = {0};
+    long cnt = 0, cs = 0;
+    for (long i = 0; i < n; i += 8) tail_lanes(lo, up, i, n, div, T, xt, m, zl, pu, pl, want_z, &a, &cnt, &z);
+    for (long k = 0; k < ns; k++) tail_lanes(lo, up, skip[k], skip[k] + 1, div, T, xt, m, zl, pu, pl, want_z, &as, &cs, &zs);
+    double sa = 0.0, sz = 0.0, ssa = 0.0, ssz = 0.0;
+    for (int q = 0; q < 8; q++) { sa += a[q]; sz += z[q]; ssa += as[q]; ssz += zs[q]; }
+    out[0] = (sa - ssa) * (1.0 + EXP_SLACK);
+    out[1] = (double)(cnt - cs);
+    out[2] = (sz - ssz) * (1.0 - EXP_SLACK);
+}
+
+/* exp_bound_v of y [n] (tests: its error against exp) */
+void selfspec_exp_bound(const float *y, long n, float *out) {
+    for (long i = 0; i < n; i += 8) {
+        f32x8 v = fill(0.0f);
+        for (long q = 0; q < 8 && i + q < n; q++) v[q] = y[i + q];
+        v = exp_bound_v(v);
+        for (long q = 0; q < 8 && i + q < n; q++) out[i + q] = v[q];
+    }
+}

@@ -152,3 +152,30 @@ def gumbel_reach(lo: torch.Tensor, up: torch.Tensor, temperature: float, key: in
     if n == -2:
         raise MemoryError("kernels.gumbel_reach: out of memory")
     return None if n < 0 or n > cap else (out[:n], us[:n], float(thr))
+
+
+def nucleus_tail(lo: torch.Tensor, up: torch.Tensor, temperature: float, xt: float, m: float, cut: float,
+                 skip: torch.Tensor, want_z: bool = True) -> tuple[float, int, float]:
+    """Over the entries of bounds lo <= logits <= up ([V] fp32) outside skip (int32 ascending), with
+    xu = fl(up / T), xl = fl(lo / T) (csrc/gumbel.c selfspec_nucleus_tail): (an upper bound of
+    the sum of exp(xu - m) over xu > xt, how many, a lower bound of the sum of exp(xl - m) over
+    xl >= m - cut; 0 unless want_z), fp64."""
+    fn = _dll().selfspec_nucleus_tail
+    if fn.argtypes is None:
+        fn.restype = None
+        fn.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_long] + [ctypes.c_float] * 4
+                       + [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p])
+    skip = skip.contiguous()
+    out = (ctypes.c_double * 3)()
+    fn(lo.data_ptr(), up.data_ptr(), lo.shape[0], temperature, xt, m, cut, skip.data_ptr(), len(skip), int(want_z), out)
+    return out[0], int(out[1]), out[2]
+
+
+def exp_bound(y: torch.Tensor) -> torch.Tensor:
+    """csrc/gumbel.c's exp_bound_v of y [n] fp32 (tests)."""
+    y = y.float().contiguous()
+    out = torch.empty_like(y)
+    fn = _dll().selfspec_exp_bound
+    fn.restype, fn.argtypes = None, [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
+    fn(y.data_ptr(), len(y), out.data_ptr())
+    return out
