@@ -23,9 +23,10 @@ _noted_unrunnable: set[str] = set()
 
 
 def runs_here(cfg: DraftConfig, rt) -> bool:
-    """Whether cfg can draft on this runtime: a quantized copy needs the CPU kernels."""
-    quantized = cfg.strategy == "quantized" or (cfg.base is not None and cfg.base.strategy == "quantized")
-    return rt.uses_kernels or not quantized
+    """Whether cfg can draft on this runtime: a quantized copy needs the CPU kernels (and, over a
+    GGUF run natively, fewer bits than its blocks: ggml_weights.GGMLRuntime.draft_bits)."""
+    q = cfg if cfg.strategy == "quantized" else cfg.base if cfg.base is not None and cfg.base.strategy == "quantized" else None
+    return q is None or rt.uses_kernels and q.draft_bits in getattr(rt, "draft_bits", (q.draft_bits,))
 
 
 def build(cfg: DraftConfig, res: DraftResources, eos_ids: tuple[int, ...] = (), vocab: bool = True) -> Drafter:
@@ -135,7 +136,7 @@ def build_auto(cfg: DraftConfig, res: DraftResources, eos_ids: tuple[int, ...] =
         n = AUTO_DRAFT_VOCAB  # FR-Spec: on a big vocabulary the full draft head would dominate
     # The quantized copy needs the kernels; it is made at the first calibration (~1 s) and
     # kept by the resources, as is its int8 head.
-    bits = AUTO_DRAFT_BITS if rt.uses_kernels else None
+    bits = AUTO_DRAFT_BITS if rt.uses_kernels and AUTO_DRAFT_BITS in getattr(rt, "draft_bits", (AUTO_DRAFT_BITS,)) else None
     costs = res.cost_model(heads=((n, None),) * bool(n) + ((n, bits),) * bool(bits), bits=(bits,) * bool(bits))
     vocab, head = res.draft_head(n) if n else (None, None)
 
