@@ -250,8 +250,9 @@ typedef struct {
     int y_bf16;
 } gg_job;
 
-/* rows n0..n1-1 of part p (global column base g) for rows m0..m0+mr-1 */
-static void part_rows(const gg_job *j, const ss_gpart *p, long g, long n0, long n1, long m0, int mr) {
+/* rows n0..n1-1 of part p (global column base g) for rows m0..m0+mr-1 (inlined: a one-row
+ * call gets its own copy, its accumulator in a register) */
+static inline __attribute__((always_inline)) void part_rows(const gg_job *j, const ss_gpart *p, long g, long n0, long n1, long m0, int mr) {
     const long K = j->K, C = K / 32, N = j->w->out_features;
     const int8_t *xq = j->xq + m0 * K;
     const float *sx = j->sx + m0 * C, *xsf = j->xsf + m0 * C;
@@ -360,7 +361,10 @@ static void gg_region(void *ctx, int tid, int nt) {
         for (int q = 0; q < j->w->nparts; q++) {
             const ss_gpart *p = &j->w->part[q];
             const long a = lo > g ? lo - g : 0, b = hi - g < p->rows ? hi - g : p->rows;
-            if (a < b) part_rows(j, p, g, a, b, m0, mr);
+            if (a < b) {
+                if (mr == 1) part_rows(j, p, g, a, b, m0, 1);
+                else part_rows(j, p, g, a, b, m0, mr);
+            }
             g += p->rows;
         }
     }
