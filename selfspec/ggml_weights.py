@@ -109,6 +109,12 @@ class GGMLRuntime(Runtime):
     def head_columns(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head.columns(ids)
 
+    def head_blocks(self, ids: torch.Tensor) -> GGMLWeight:
+        """The LM head's columns `ids` as their own blocks (a restricted draft head: the same
+        chains as the full head's columns, a fraction of its bytes)."""
+        (raw, qtype), = self.head.parts  # the head is one tensor of the file
+        return GGMLWeight([(raw[ids.reshape(-1).cpu().numpy()], qtype)], self.head.in_features)
+
     def weight(self, i: int, name: str) -> torch.Tensor:
         w = self.layers[i][name]
         return w.dequantize() if isinstance(w, GGMLWeight) else w
