@@ -116,9 +116,9 @@ def build_auto(cfg: DraftConfig, res: DraftResources, eos_ids: tuple[int, ...] =
         if prof is not None and not runs_here(prof.draft, rt):
             if res.fingerprint not in _noted_unrunnable:  # once per model and process
                 _noted_unrunnable.add(res.fingerprint)
-                _log.warning("selfspec: note: this model's profile drafts with a quantized copy, which needs selfspec's "
-                             "CPU kernels (unavailable here: %s); auto chooses a draft per prompt instead",
-                             rt.kernels_missing())
+                _log.warning("selfspec: note: this model's profile drafts with a quantized copy, which cannot run here "
+                             "(%s); auto chooses a draft per prompt instead", "the GGUF runs on its own blocks: int4 copies only"
+                             if rt.uses_kernels else f"it needs selfspec's CPU kernels, unavailable here: {rt.kernels_missing()}")
             prof = None
         if prof is not None:
             base_cfg, source = (prof.draft.base if prof.draft.strategy == "auto" else prof.draft), "profile"
