@@ -139,3 +139,17 @@ def test_dtype_bfloat16_keeps_the_dequantized_path(native):
         a = nat.runtime.forward(ids, 0, nat.runtime.new_cache(32))
         b = ref.runtime.forward(ids, 0, ref.runtime.new_cache(32))
     assert ((a - b).norm() / b.norm()).item() < 0.1
+
+
+def test_auto_falls_back_to_dequantized_where_blocks_cannot_run(native, tmp_path):
+    _, path = native
+    assert isinstance(selfspec.load(path, tokenizer=helpers.word_tokenizer(), dtype="auto").runtime, GGMLRuntime)
+    hf = helpers.build_hf("llama", seed=1)
+    f16 = write_gguf(hf, tmp_path / "f16.gguf", Q.F16)  # F16 matrices: not multiplied as blocks (yet)
+    from selfspec import ggml_weights, gguf_load
+    assert "F16" in ggml_weights.native_reason(gguf_load.GGUFCheckpoint(gguf_load.GGUFFile(f16)), "cpu")
+    model = selfspec.load(f16, tokenizer=helpers.word_tokenizer())
+    assert not isinstance(model.runtime, GGMLRuntime)
+    prompt = helpers.prompts(n=1)[0]
+    assert model.generate(prompt, max_new_tokens=8, strategy="early-exit", exit_layer=1).token_ids == \
+        model.generate(prompt, max_new_tokens=8, strategy="autoregressive").token_ids
