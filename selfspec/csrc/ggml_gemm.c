@@ -241,6 +241,16 @@ static inline float hsum_v(__m256 a) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+/* the 32 signed values of a Q8_0 / Q4_0 / Q5_0 block */
+static inline __m256i legacy_values(int type, const uint8_t *b) {
+    if (type == T_Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
+    if (type == T_Q4_0) return _mm256_sub_epi8(nibbles(b + 2), _mm256_set1_epi8(8));
+    uint32_t qh;
+    memcpy(&qh, b + 2, 4);
+    const __m256i hb = _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(16));
+    return _mm256_sub_epi8(_mm256_or_si256(nibbles(b + 6), hb), _mm256_set1_epi8(16));
+}
+
 typedef struct {
     const ss_gweight *w;
     long M, K;
@@ -256,7 +266,27 @@ static inline __attribute__((always_inline)) void part_rows(const gg_job *j, con
     const long K = j->K, C = K / 32, N = j->w->out_features;
     const int8_t *xq = j->xq + m0 * K;
     const float *sx = j->sx + m0 * C, *xsf = j->xsf + m0 * C;
-    for (long n = n0; n < n1; n++) {
+    long n = n0;
+    if (mr == 1 && (p->type == T_Q8_0 || p->type == T_Q4_0 || p->type == T_Q5_0)) {
+        const int bytes = p->type == T_Q8_0 ? 34 : p->type == T_Q5_0 ? 22 : 18;
+        for (; n + 1 < n1; n += 2) {
+            const uint8_t *r0 = p->data + n * p->row_bytes, *r1 = r0 + p->row_bytes;
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            for (long c = 0; c < C; c++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * c));
+                const __m256i v0 = legacy_values(p->type, r0 + c * bytes), v1 = legacy_values(p->type, r1 + c * bytes);
+                const __m256i s0 = dot_us(_mm256_sign_epi8(v0, v0), _mm256_sign_epi8(x, v0));
+                const __m256i s1 = dot_us(_mm256_sign_epi8(v1, v1), _mm256_sign_epi8(x, v1));
+                a0 = _mm256_fmadd_ps(_mm256_set1_ps(gh2f(r0 + c * bytes) * sx[c]), _mm256_cvtepi32_ps(s0), a0);
+                a1 = _mm256_fmadd_ps(_mm256_set1_ps(gh2f(r1 + c * bytes) * sx[c]), _mm256_cvtepi32_ps(s1), a1);
+            }
+            const float o0 = hsum_v(a0), o1 = hsum_v(a1);
+            const long at = m0 * N + g + n;
+            if (j->y_bf16) { ((uint16_t *)j->y)[at] = gf2bf16(o0); ((uint16_t *)j->y)[at + 1] = gf2bf16(o1); }
+            else { ((float *)j->y)[at] = o0; ((float *)j->y)[at + 1] = o1; }
+        }
+    }
+    for (; n < n1; n++) {
         const uint8_t *row = p->data + n * p->row_bytes;
         __m256 acc[GG_ROWS];
         float mt[GG_ROWS];
@@ -267,17 +297,7 @@ static inline __attribute__((always_inline)) void part_rows(const gg_job *j, con
             for (long c = 0; c < C; c++) {
                 const uint8_t *b = row + c * bytes;
                 const float d = gh2f(b);
-                __m256i v;
-                if (p->type == T_Q8_0) {
-                    v = _mm256_loadu_si256((const __m256i *)(b + 2));
-                } else if (p->type == T_Q4_0) {
-                    v = _mm256_sub_epi8(nibbles(b + 2), _mm256_set1_epi8(8));
-                } else {
-                    uint32_t qh;
-                    memcpy(&qh, b + 2, 4);
-                    const __m256i hb = _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(16));
-                    v = _mm256_sub_epi8(_mm256_or_si256(nibbles(b + 6), hb), _mm256_set1_epi8(16));
-                }
+                const __m256i v = legacy_values(p->type, b);
                 const __m256i av = _mm256_sign_epi8(v, v);
                 for (int r = 0; r < mr; r++) {
                     const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * K + 32 * c));
