@@ -195,6 +195,18 @@ class GGUFCheckpoint(Mapping):
         if "model.embed_tokens.weight" not in self._names:
             raise SelfSpecError(f"{self.file.path.name}: no token_embd.weight tensor")
 
+    def block_info(self, name: str) -> TensorInfo:
+        """The file's record of the tensor under runtime name `name` (its block type and shape)."""
+        return self._info(name)
+
+    def blocks(self, name: str) -> tuple[np.ndarray, object]:
+        """(uint8 [rows, row_bytes], block type): the matrix's blocks as stored, rows in the
+        runtime's order (llama's q/k permutation undone a whole row at a time), one copy."""
+        info = self._info(name)
+        raw = self.file.read_rows(info, 0, info.shape[0])
+        order = self._order(name, info.shape[0])
+        return (raw if order is None else np.ascontiguousarray(raw[order])), info.qtype
+
     def lazy(self, name: str) -> GGUFRows:
         info = self._info(name)
         return GGUFRows(self.file, info, self._order(name, info.shape[0]))

@@ -18,7 +18,7 @@ from dataclasses import asdict, fields, replace
 
 import torch
 
-from selfspec import chat_templates, kernels, strategies
+from selfspec import chat_templates, ggml_weights, kernels, strategies
 from selfspec.architectures import ModelSpec
 from selfspec.batch import BatchEngine, BatchRequest
 from selfspec.batch.planner import kept_costs
@@ -60,12 +60,12 @@ def default_dtype(device: str) -> str:
 
 
 def resolve_dtype(dtype, device: str) -> torch.dtype:
-    if dtype is None:
+    if dtype in ggml_weights.AUTO:  # auto: a GGUF runs its own blocks where it can (ggml_weights.runtime), else this
         dtype = default_dtype(device)
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in _DTYPES:
-        raise SelfSpecError(f"unsupported dtype {dtype!r}; choose float32 or bfloat16")
+        raise SelfSpecError(f"unsupported dtype {dtype!r}; choose auto, float32 or bfloat16")
     return _DTYPES[dtype]
 
 
@@ -441,7 +441,7 @@ def load(
         check_fits(runtime_bytes(s, torch_dtype, screened), device, f"{source} in {str(torch_dtype).removeprefix('torch.')}")
     sd, config, tok, name = load_source(source, tokenizer, allow_pickle=allow_pickle, fits=fits)
     spec = ModelSpec.from_hf_config(config)
-    runtime = Runtime.from_state_dict(spec, sd, config, torch_dtype, device)
+    runtime = ggml_weights.runtime(spec, sd, config, dtype, torch_dtype, device)  # a GGUF's own blocks under auto
     del sd
     runtime.warm_up()
     model = SelfSpecModel(runtime, resolve_tokenizer(tok), name, chat_template,

@@ -102,7 +102,8 @@ class DraftResources:
         def make():
             vocab = None if n is None else self.draft_vocabulary(n)
             if bits is None:
-                return vocab, rt.prepare_weight(rt.head_columns(vocab).contiguous())
+                blocks = getattr(rt, "head_blocks", None)  # a GGUF run natively: those rows' own blocks (ggml_weights.py)
+                return vocab, blocks(vocab) if blocks else rt.prepare_weight(rt.head_columns(vocab).contiguous())
             tag = "full" if vocab is None else f"{n}-{hashlib.sha256(vocab.cpu().numpy().tobytes()).hexdigest()[:8]}"
             return vocab, self._stored(f"head-{tag}-int{bits}", lambda: {"head": quantize_columns(
                 rt.head_weight() if vocab is None else rt.head_columns(vocab), bits)})["head"]

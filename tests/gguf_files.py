@@ -39,9 +39,27 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(hf_model, path: Path, matrix_type=gguf.GGMLQuantizationType.Q8_0) -> Path:
+# byte offsets of each block's fp16 scales (random blocks: any other bytes are a valid block)
+_HALVES = {gguf.GGMLQuantizationType.Q4_K: (0, 2), gguf.GGMLQuantizationType.Q5_K: (0, 2), gguf.GGMLQuantizationType.Q6_K: (208,)}
+
+
+def random_blocks(qtype, rows: int, cols: int, seed: int, scale: float = 0.004) -> np.ndarray:
+    """uint8 [rows, row_bytes]: random blocks of qtype whose fp16 scales are in (0, scale]
+    (the gguf package cannot quantize to K-quants: tests of them run random blocks)."""
+    rng = np.random.default_rng(seed)
+    block, size = gguf.constants.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    for off in _HALVES.get(qtype, (0,)):
+        s = (rng.random((rows, cols // block)) * scale + scale / 64).astype(np.float16)
+        raw[..., off:off + 2] = s[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def write_gguf(hf_model, path: Path, matrix_type=gguf.GGMLQuantizationType.Q8_0, block_types: dict | None = None) -> Path:
     """hf_model (a tiny transformers causal LM) as a GGUF file at path; norms F32, matrices
-    (and the embedding) in matrix_type. Returns path."""
+    (and the embedding) in matrix_type, or block_types[<llama.cpp name>] (e.g. "ffn_down",
+    "token_embd") for the matrices it names: K-quants as random blocks (random_blocks), the
+    others quantized from the model's weights. Returns path."""
     cfg = hf_model.config
     arch = GGUF_ARCH[cfg.model_type.removesuffix("_text")]
     gemma = arch == "gemma3"
@@ -69,10 +87,14 @@ def write_gguf(hf_model, path: Path, matrix_type=gguf.GGMLQuantizationType.Q8_0)
             a = a + 1
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             a = _permute(a, cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads)
-        if a.ndim == 2 and matrix_type != gguf.GGMLQuantizationType.F32:
-            w.add_tensor(_gguf_name(name, gemma), gguf.quants.quantize(a, matrix_type), raw_dtype=matrix_type)
+        gname = _gguf_name(name, gemma)
+        qt = next((t for k, t in (block_types or {}).items() if gname.split(".")[-2] == k), matrix_type)
+        if a.ndim == 2 and qt in _HALVES:
+            w.add_tensor(gname, random_blocks(qt, a.shape[0], a.shape[1], seed=sum(map(ord, gname))), raw_dtype=qt)
+        elif a.ndim == 2 and qt != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(gname, gguf.quants.quantize(a, qt), raw_dtype=qt)
         else:
-            w.add_tensor(_gguf_name(name, gemma), np.ascontiguousarray(a, dtype=np.float32))
+            w.add_tensor(gname, np.ascontiguousarray(a, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

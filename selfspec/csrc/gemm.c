@@ -764,6 +764,7 @@ static int gemm_pairs(long M, long K, long N, const void *x, int x_bf16, const u
 }
 
 int selfspec_qgemm(long M, const void *x, int x_bf16, const void *w, void *y, int y_bf16, int nthreads);
+int selfspec_ggemm(long M, const void *x, int x_bf16, const void *w, void *y, int y_bf16, int nthreads);
 
 typedef struct {
     long M, K, N;
@@ -789,6 +790,7 @@ static void gemm_region(void *ctx, int tid, int nt) {
  * pairs (packed=2, bf16 only): [ceil(N/64), ceil(K/2), 64, 2] (see tile_pairs).
  * quantized (packed=3): w points to an ss_qweight descriptor (quant.c; K and N must match).
  * pairs on AMX tiles (packed=4): the pair layout, TDPBF16PS's chain (gemm_amx; 4 = unavailable).
+ * GGUF blocks (packed=5): w points to an ss_gweight descriptor (ggml_gemm.c; K and N must match).
  * w_bf16: weight dtype. nthreads <= 0: OpenMP default. Returns 0 on success. */
 int selfspec_gemm(long M, long K, long N, const void *x, int x_bf16, const void *w, int w_bf16,
                   int packed, void *y, int y_bf16, int nthreads) {
@@ -796,6 +798,7 @@ int selfspec_gemm(long M, long K, long N, const void *x, int x_bf16, const void 
     if (K <= 0) return 2; /* caller handles K == 0 (all-zero output) */
     if (packed == 2 || packed == 4) return gemm_pairs(M, K, N, x, x_bf16, (const uint16_t *)w, w_bf16, y, y_bf16, nthreads, packed == 4);
     if (packed == 3) return selfspec_qgemm(M, x, x_bf16, w, y, y_bf16, nthreads);  /* w: an ss_qweight (quant.c) */
+    if (packed == 5) return selfspec_ggemm(M, x, x_bf16, w, y, y_bf16, nthreads);  /* w: an ss_gweight (ggml_gemm.c) */
     float stackbuf[16384];
     float *xf = (M * K <= (long)(sizeof(stackbuf) / 4)) ? stackbuf : (float *)malloc(sizeof(float) * M * K);
     if (!xf) return 1;

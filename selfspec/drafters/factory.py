@@ -21,9 +21,13 @@ _noted_unrunnable: set[str] = set()
 
 def runs_here(cfg: DraftConfig, rt) -> bool:
     """Whether cfg can draft on this runtime: a strategy that needs the CPU kernels (the
-    quantized copy), itself or as auto's base, needs them here."""
-    needs = strategy(cfg.strategy).needs_kernels or (cfg.base is not None and strategy(cfg.base.strategy).needs_kernels)
-    return rt.uses_kernels or not needs
+    quantized copy), itself or as auto's base, needs them here, and over a GGUF run natively
+    fewer bits than its blocks (ggml_weights.GGMLRuntime.draft_bits)."""
+    for c in (cfg, cfg.base):
+        if c is not None and strategy(c.strategy).needs_kernels:
+            if not rt.uses_kernels or c.draft_bits not in getattr(rt, "draft_bits", (c.draft_bits,)):
+                return False
+    return True
 
 
 def build(cfg: DraftConfig, res: DraftResources, eos_ids: tuple[int, ...] = (), vocab: bool = True) -> Drafter:
@@ -90,9 +94,9 @@ def build_auto(cfg: DraftConfig, res: DraftResources, eos_ids: tuple[int, ...] =
         if prof is not None and not runs_here(prof.draft, rt):
             if res.fingerprint not in _noted_unrunnable:  # once per model and process
                 _noted_unrunnable.add(res.fingerprint)
-                _log.warning("selfspec: note: this model's profile drafts with a quantized copy, which needs selfspec's "
-                             "CPU kernels (unavailable here: %s); auto chooses a draft per prompt instead",
-                             rt.kernels_missing())
+                _log.warning("selfspec: note: this model's profile drafts with a quantized copy, which cannot run here "
+                             "(%s); auto chooses a draft per prompt instead", "the GGUF runs on its own blocks: int4 copies only"
+                             if rt.uses_kernels else f"it needs selfspec's CPU kernels, unavailable here: {rt.kernels_missing()}")
             prof = None
         if prof is not None:
             base_cfg, source = (prof.draft.base if prof.draft.strategy == "auto" else prof.draft), "profile"
@@ -110,7 +114,7 @@ def build_auto(cfg: DraftConfig, res: DraftResources, eos_ids: tuple[int, ...] =
         n = AUTO_DRAFT_VOCAB  # FR-Spec: on a big vocabulary the full draft head would dominate
     # The quantized copy needs the kernels; it is made at the first calibration (~1 s) and
     # kept by the resources, as is its int8 head.
-    bits = AUTO_DRAFT_BITS if rt.uses_kernels else None
+    bits = AUTO_DRAFT_BITS if rt.uses_kernels and AUTO_DRAFT_BITS in getattr(rt, "draft_bits", (AUTO_DRAFT_BITS,)) else None
     costs = res.cost_model(heads=((n, None),) * bool(n) + ((n, bits),) * bool(bits), bits=(bits,) * bool(bits))
     vocab, head = res.draft_head(n) if n else (None, None)
 

@@ -53,7 +53,8 @@ generation runs in compute_scope(), which keeps torch's OpenMP threads off those
 No autograd: use under torch.no_grad() / inference_mode (results carry no grad_fn).
 
 Modules: build (compile, load, available), weights (PackedWeight, QuantizedWeight, pack),
-gemm (matmul), blocks (fused sub-layers, norm, soft-cap), sampling (csrc/sampling.c), pool
+gemm (matmul), ggml (GGUF blocks to fp32), ggml_gemm (GGMLWeight: GGUF blocks
+multiplied as stored, csrc/ggml_gemm.c), blocks (fused sub-layers, norm, soft-cap), sampling (csrc/sampling.c), pool
 (threads(): how many the kernels use; compute_scope()).
 """
 

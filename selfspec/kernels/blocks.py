@@ -11,6 +11,7 @@ import torch
 from selfspec.kernels import build
 from selfspec.kernels.build import available
 from selfspec.kernels.gemm import operand
+from selfspec.kernels.ggml_gemm import LAYOUT as _GGML_LAYOUT, GGMLWeight
 from selfspec.kernels.pool import threads
 from selfspec.kernels.weights import PackedWeight, QuantizedWeight
 
@@ -62,9 +63,9 @@ class FusedBlocks:
             s = _Layer()
             for name, flag in zip(_WEIGHTS, ("wqkv_packed", "wo_packed", "gu_packed", "down_packed")):
                 w = L[name]
-                if isinstance(w, QuantizedWeight):  # a drafting copy: layout 3, the C side reads the descriptor
+                if isinstance(w, (QuantizedWeight, GGMLWeight)):  # a drafting copy (3) or GGUF blocks (5): descriptors
                     setattr(s, name, ctypes.addressof(w.desc))
-                    setattr(s, flag, 3)
+                    setattr(s, flag, 3 if isinstance(w, QuantizedWeight) else _GGML_LAYOUT)
                     self._keep.append(w)
                     continue
                 t = w.data if isinstance(w, PackedWeight) else w

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 _CSRC = Path(__file__).parent.parent / "csrc"
-_SRCS = [_CSRC / name for name in ("pool.c", "gemm.c", "blocks.c", "quant.c", "sampling.c", "screen.c", "gumbel.c", "ggml_dequant.c")]
+_SRCS = [_CSRC / name for name in ("pool.c", "gemm.c", "blocks.c", "quant.c", "sampling.c", "screen.c", "gumbel.c", "ggml_dequant.c", "ggml_gemm.c")]
 _HEADERS = [_CSRC / "simd.h", _CSRC / "pool.h"]
 _FLAGS = ["-O3", "-march=native", "-pthread", "-shared", "-fPIC"]  # threads: csrc/pool.c, not OpenMP
 # The kernels are written for AVX-512 (F, BW, VL) and for AVX2 + FMA + F16C (csrc/simd.h); both

@@ -10,6 +10,7 @@ import torch
 from selfspec.kernels import build
 from selfspec.kernels.build import available, has_pairs
 from selfspec.kernels.pool import threads
+from selfspec.kernels.ggml_gemm import LAYOUT as _GGML_LAYOUT, GGMLWeight
 from selfspec.kernels.weights import PackedWeight, QuantizedWeight
 
 
@@ -21,7 +22,7 @@ def _check(x, w) -> str | None:
         return f"unsupported activation dtype {x.dtype}"
     if x.device.type != "cpu":
         return "x must be on the CPU"
-    if isinstance(w, QuantizedWeight):
+    if isinstance(w, (QuantizedWeight, GGMLWeight)):
         if w.device.type != "cpu":
             return "w must be on the CPU"
         if x.shape[1] != w.in_features:
@@ -53,9 +54,11 @@ def _check(x, w) -> str | None:
 def operand(w) -> tuple[int, int, bool]:
     """(address, layout, bf16) of a checked weight as csrc/gemm.c's selfspec_gemm takes it:
     layout 0 a plain [K, N] tensor, 1 packed tiles, 2 bf16 pairs, 3 a QuantizedWeight's descriptor,
-    4 bf16 pairs on AMX tiles."""
+    4 bf16 pairs on AMX tiles, 5 a GGMLWeight's descriptor."""
     if isinstance(w, QuantizedWeight):
         return ctypes.addressof(w.desc), 3, False
+    if isinstance(w, GGMLWeight):  # GGUF blocks: csrc/ggml_gemm.c
+        return ctypes.addressof(w.desc), _GGML_LAYOUT, False
     if isinstance(w, PackedWeight):
         return w.data.data_ptr(), w.layout, w.data.dtype == torch.bfloat16
     return w.data_ptr(), 0, w.dtype == torch.bfloat16

@@ -116,7 +116,7 @@ class QuantizedWeight:
 
 def nbytes(w) -> int:
     """Bytes of a weight in any of its stored forms (tensor, PackedWeight with its padding, QuantizedWeight)."""
-    if isinstance(w, QuantizedWeight):
+    if isinstance(w, QuantizedWeight) or hasattr(w, "parts"):  # QuantizedWeight, ggml_gemm.GGMLWeight
         return w.nbytes
     t = w.data if isinstance(w, PackedWeight) else w
     return t.numel() * t.element_size()

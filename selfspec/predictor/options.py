@@ -86,7 +86,8 @@ def calibrated_options(model, strategy: str) -> dict | None:
 def _rank(model, strategy: str) -> dict | None:
     res, spec = model.resources, model.spec
     restricted = res.has_token_order()
-    grid = candidates(strategy, spec.vocab_size, restricted)
+    allowed = getattr(model.runtime, "draft_bits", None)  # a GGUF run natively: int4 copies only (ggml_weights.py)
+    grid = [c for c in candidates(strategy, spec.vocab_size, restricted) if allowed is None or c.strategy != "quantized" or c.draft_bits in allowed]
     if not grid:
         return None
     _log.warning("selfspec: note: no profile measured %s on this model; choosing its options by calibration "

@@ -1,0 +1,124 @@
+"""GGUF block weights multiplied as stored (csrc/ggml_gemm.c for the chain and its numerics):
+GGMLWeight holds a matrix's rows of blocks, [out, in] as the file stores it, and stands for the
+[in, out] weight that kernels.matmul(x, w) multiplies by (selfspec_gemm's layout 5)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from selfspec.kernels import build, ggml
+
+Q = GGMLQuantizationType
+# the block types csrc/ggml_gemm.c multiplies (its activation blocks are 32 values: in % 32 == 0)
+TYPES = frozenset({Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+MAX_PARTS = 4
+LAYOUT = 5  # selfspec_gemm's code for an ss_gweight
+
+
+class _Part(ctypes.Structure):  # ss_gpart
+    _fields_ = [("data", ctypes.c_void_p), ("rows", ctypes.c_long), ("row_bytes", ctypes.c_long),
+                ("type", ctypes.c_int), ("pad", ctypes.c_int)]
+
+
+class _Desc(ctypes.Structure):  # ss_gweight
+    _fields_ = [("in_features", ctypes.c_long), ("out_features", ctypes.c_long), ("nparts", ctypes.c_int),
+                ("pad", ctypes.c_int), ("part", _Part * MAX_PARTS)]
+
+
+def why_not(qtype, cols: int) -> str | None:
+    """None where rows of `cols` values of qtype can be multiplied as blocks, else the reason."""
+    if qtype not in TYPES:
+        return f"{Q(qtype).name} blocks are not multiplied natively (supported: {', '.join(sorted(t.name for t in TYPES))})"
+    if cols % GGML_QUANT_SIZES[qtype][0] or cols % 32:
+        return f"rows of {cols} values are not whole {Q(qtype).name} blocks"
+    return None
+
+
+class GGMLWeight:
+    """A [in, out] weight as GGUF rows of blocks: parts [(uint8 [rows_i, row_bytes_i], qtype_i)],
+    stacked over out (the fused q|k|v of a layer may mix block types). Read-only."""
+
+    __slots__ = ("parts", "in_features", "out_features", "desc")
+
+    def __init__(self, parts: list[tuple[np.ndarray, GGMLQuantizationType]], in_features: int):
+        if not 1 <= len(parts) <= MAX_PARTS:
+            raise ValueError(f"GGMLWeight: 1 to {MAX_PARTS} parts, got {len(parts)}")
+        self.parts, self.in_features = [], int(in_features)
+        self.desc = _Desc(self.in_features, 0, len(parts))
+        for i, (raw, qtype) in enumerate(parts):
+            why = why_not(qtype, self.in_features)
+            if why:
+                raise ValueError(f"GGMLWeight: {why}")
+            block, size = GGML_QUANT_SIZES[qtype]
+            raw = np.ascontiguousarray(raw, dtype=np.uint8)
+            if raw.ndim != 2 or raw.shape[1] != self.in_features // block * size:
+                raise ValueError(f"GGMLWeight: part {i} is {raw.shape}, not rows of {self.in_features} {Q(qtype).name} values")
+            self.parts.append((raw, Q(qtype)))
+            self.desc.part[i] = _Part(raw.ctypes.data, raw.shape[0], raw.shape[1], int(qtype), 0)
+        self.out_features = sum(r.shape[0] for r, _ in self.parts)
+        self.desc.out_features = self.out_features
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.in_features, self.out_features))
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.uint8
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r, _ in self.parts)
+
+    @property
+    def qtypes(self) -> list[str]:
+        return [q.name for _, q in self.parts]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the stored [out, in] matrix (= columns of the [in, out] weight),
+        dequantized: fp32 [len(ids), in] (an embedding lookup reads only these blocks)."""
+        ids = ids.reshape(-1).cpu().numpy().astype(np.int64)
+        out = np.empty((len(ids), self.in_features), dtype=np.float32)
+        base = 0
+        for raw, qtype in self.parts:
+            sel = (ids >= base) & (ids < base + raw.shape[0])
+            if sel.any():
+                out[sel] = ggml.dequantize(raw[ids[sel] - base], qtype, self.in_features)
+            base += raw.shape[0]
+        return torch.from_numpy(out)
+
+    def columns(self, ids: torch.Tensor) -> torch.Tensor:
+        """Columns `ids` of the [in, out] weight: fp32 [in, len(ids)]."""
+        return self.rows(ids).t()
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 [in, out] weight (tests; the gguf package's bits)."""
+        return torch.cat([torch.from_numpy(ggml.dequantize(r, q, self.in_features)) for r, q in self.parts]).t().contiguous()
+
+    def __repr__(self) -> str:
+        return f"GGMLWeight(shape={tuple(self.shape)}, types={self.qtypes})"
+
+
+def operand(w: GGMLWeight) -> int:
+    return ctypes.addressof(w.desc)
+
+
+def reference(x: torch.Tensor, w: GGMLWeight) -> torch.Tensor:
+    """Scalar C of the same chain (fp32 x and out; csrc/ggml_gemm.c selfspec_ggemm_ref); tests only."""
+    build._load()
+    fn = build._blocks["dll"].selfspec_ggemm_ref
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    x = x.float().contiguous()
+    y = torch.empty(x.shape[0], w.out_features)
+    if fn(x.shape[0], x.data_ptr(), ctypes.addressof(w.desc), y.data_ptr()):
+        raise ValueError("ggml_gemm.reference: malformed weight")
+    return y

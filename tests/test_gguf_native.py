@@ -1,0 +1,155 @@
+"""A GGUF's own blocks multiplied as stored (csrc/ggml_gemm.c, kernels/ggml_gemm.py,
+ggml_weights.py): each block type against dequantize-then-matmul in float64, the vector code
+against its scalar reference bit for bit, row invariance (1 row vs 16 vs more), and a tiny
+GGUF run natively: every strategy's greedy output token-identical to its autoregressive output,
+seeded sampling too, and --dtype bfloat16 keeping the dequantized path."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import helpers
+from gguf_files import random_blocks, write_gguf
+
+import selfspec
+from selfspec import kernels
+from selfspec.ggml_weights import GGMLRuntime
+from selfspec.kernels.ggml_gemm import TYPES, GGMLWeight, reference
+
+Q = gguf.GGMLQuantizationType
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs selfspec's kernels")
+
+
+def _weight(qtype, rows: int, cols: int, seed: int) -> GGMLWeight:
+    return GGMLWeight([(random_blocks(qtype, rows, cols, seed), qtype)], cols)
+
+
+@pytest.mark.parametrize("qtype", sorted(TYPES, key=int))
+def test_block_matmul_matches_float64_and_its_scalar_chain(qtype):
+    K = 512
+    w = _weight(qtype, 70, K, seed=int(qtype))
+    x = torch.randn(16, K, generator=torch.Generator().manual_seed(1))
+    y = kernels.matmul(x, w)
+    assert torch.equal(y, reference(x, w))  # the vector code is the documented chain, bit for bit
+    exact = x.double() @ w.dequantize().double()
+    assert ((y.double() - exact).norm() / exact.norm()).item() < 2e-2  # activations in int8 per 32 values
+    # bf16 activations and output: the same chain over the widened x, rounded once
+    yb = kernels.matmul(x.bfloat16(), w)
+    assert torch.equal(yb, reference(x.bfloat16().float(), w).bfloat16())
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_0])
+def test_rows_do_not_depend_on_how_many_are_computed(qtype):
+    K = 256
+    w = _weight(qtype, 300, K, seed=3)  # several threads' shares of N
+    x = torch.randn(40, K, generator=torch.Generator().manual_seed(2))  # more than one pass of 16 rows
+    batch = kernels.matmul(x, w)
+    one = torch.cat([kernels.matmul(x[i:i + 1], w) for i in range(40)])
+    sixteen = torch.cat([kernels.matmul(x[i:i + 16], w) for i in range(0, 40, 16)])
+    assert torch.equal(batch, one) and torch.equal(batch, sixteen)
+    assert torch.equal(batch, kernels.matmul(x, w, num_threads=1))
+
+
+def test_mixed_parts_are_one_matrix_of_their_columns():
+    K = 256
+    parts = [(random_blocks(q, n, K, seed=i), q) for i, (q, n) in enumerate(((Q.Q4_K, 64), (Q.Q6_K, 32), (Q.Q8_0, 32)))]
+    fused = GGMLWeight(parts, K)
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(4))
+    alone = torch.cat([kernels.matmul(x, GGMLWeight([p], K)) for p in parts], 1)
+    assert torch.equal(kernels.matmul(x, fused), alone)
+    ids = torch.tensor([0, 70, 127, 100, 3])
+    assert torch.equal(fused.rows(ids), fused.dequantize().t()[ids])
+
+
+def test_bad_weights_are_refused():
+    with pytest.raises(ValueError, match="not rows of 256 Q4_K"):
+        GGMLWeight([(random_blocks(Q.Q4_K, 4, 256, 0)[:, :100], Q.Q4_K)], 256)
+    with pytest.raises(ValueError, match="not multiplied natively"):
+        GGMLWeight([(np.zeros((4, 512), np.uint8), Q.F16)], 256)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        kernels.matmul(torch.randn(2, 128), _weight(Q.Q8_0, 4, 256, 0))
+
+
+# ---- a tiny GGUF run natively ----------------------------------------------------------------
+
+# a Q4_K_M-like mix over a Gemma 3 whose rows are whole 256-value super-blocks
+_MIX = {"attn_q": Q.Q5_0, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q4_K, "ffn_gate": Q.Q5_K,
+        "ffn_up": Q.Q4_0, "ffn_down": Q.Q6_K, "token_embd": Q.Q8_0}
+N_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory):
+    hf = helpers.build_hf("gemma3", seed=5, num_layers=4, hidden_size=256, intermediate_size=512, head_dim=64)
+    path = write_gguf(hf, tmp_path_factory.mktemp("gguf") / "mix.gguf", Q.Q8_0, _MIX)
+    model = selfspec.load(path, tokenizer=helpers.word_tokenizer())
+    assert isinstance(model.runtime, GGMLRuntime) and model.runtime.numerics == "cpu-ggml"
+    return model, path
+
+
+_STRATEGIES = [
+    dict(strategy="early-exit", exit_layer=2, num_speculations=4),
+    dict(strategy="early-exit", exit_layer=1, num_speculations=8, draft_vocab=40),
+    dict(strategy="layer-skip", skip_mlp=(1, 2)),
+    dict(strategy="layer-skip", skip_attn=(0,), skip_mlp=(3,), num_speculations=8),
+    dict(strategy="prompt-lookup"),
+    dict(strategy="quantized", draft_bits=4, num_speculations=5),
+    dict(strategy="auto"),
+]
+
+
+@pytest.mark.parametrize("kw", _STRATEGIES, ids=lambda kw: "-".join(str(v) for v in kw.values()))
+def test_greedy_speculation_is_autoregressive_on_blocks(native, kw):
+    model, _ = native
+    for prompt in helpers.prompts(n=2):
+        ar = model.generate(prompt, max_new_tokens=N_NEW, strategy="autoregressive").token_ids
+        assert model.generate(prompt, max_new_tokens=N_NEW, **kw).token_ids == ar
+
+
+def test_seeded_sampling_and_batches_are_exact_on_blocks(native):
+    model, _ = native
+    prompts = helpers.prompts(n=3)
+    for kw in ({"strategy": "layer-skip", "skip_mlp": (1,)}, {"strategy": "early-exit", "exit_layer": 2}):
+        for p in prompts:
+            ar = model.generate(p, max_new_tokens=N_NEW, strategy="autoregressive", temperature=0.8, seed=11).token_ids
+            assert model.generate(p, max_new_tokens=N_NEW, temperature=0.8, seed=11, **kw).token_ids == ar
+    solo = [model.generate(p, max_new_tokens=N_NEW, strategy="autoregressive").token_ids for p in prompts]
+    batch = model.generate_batch(prompts, max_new_tokens=N_NEW, strategy="early-exit", exit_layer=2)
+    assert [r.token_ids for r in batch] == solo
+
+
+def test_int8_draft_copy_is_refused_in_one_line(native):
+    model, _ = native
+    with pytest.raises(selfspec.SelfSpecError, match="more bytes than its own blocks"):
+        model.generate(helpers.prompts(n=1)[0], max_new_tokens=4, strategy="quantized", draft_bits=8)
+
+
+def test_dtype_bfloat16_keeps_the_dequantized_path(native):
+    _, path = native
+    model = selfspec.load(path, tokenizer=helpers.word_tokenizer(), dtype="bfloat16")
+    assert not isinstance(model.runtime, GGMLRuntime)
+    # the native model is the file's values: its logits track the fp32 dequantized model's
+    ref = selfspec.load(path, tokenizer=helpers.word_tokenizer(), dtype="float32")
+    nat, _ = native
+    ids = torch.tensor(helpers.prompts(n=1)[0])
+    with torch.inference_mode():
+        a = nat.runtime.forward(ids, 0, nat.runtime.new_cache(32))
+        b = ref.runtime.forward(ids, 0, ref.runtime.new_cache(32))
+    assert ((a - b).norm() / b.norm()).item() < 0.1
+
+
+def test_auto_falls_back_to_dequantized_where_blocks_cannot_run(native, tmp_path):
+    _, path = native
+    assert isinstance(selfspec.load(path, tokenizer=helpers.word_tokenizer(), dtype="auto").runtime, GGMLRuntime)
+    hf = helpers.build_hf("llama", seed=1)
+    f16 = write_gguf(hf, tmp_path / "f16.gguf", Q.F16)  # F16 matrices: not multiplied as blocks (yet)
+    from selfspec import ggml_weights, gguf_load
+    assert "F16" in ggml_weights.native_reason(gguf_load.GGUFCheckpoint(gguf_load.GGUFFile(f16)), "cpu")
+    model = selfspec.load(f16, tokenizer=helpers.word_tokenizer())
+    assert not isinstance(model.runtime, GGMLRuntime)
+    prompt = helpers.prompts(n=1)[0]
+    assert model.generate(prompt, max_new_tokens=8, strategy="early-exit", exit_layer=1).token_ids == \
+        model.generate(prompt, max_new_tokens=8, strategy="autoregressive").token_ids
