@@ -1,6 +1,6 @@
 """`--strategy auto` against plain decoding, side by side in one run (issue "never slower").
 
-    python benchmarks/auto_fallback.py [--num-samples 3] [--max-new-tokens 128] [--dtype bfloat16]
+    python benchmarks/speed/auto_fallback.py [--num-samples 3] [--max-new-tokens 128] [--dtype bfloat16]
 
 Sections (greedy, built-in prompt sets code + text, interleaved per prompt, outputs compared):
   default      the untrained default model: auto (its shipped profile), auto gating a bad
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: common.py
 
 from rich.console import Console
 from rich.table import Table

@@ -6,7 +6,7 @@ times M = 1 (a draft token), M = 5 (a K = 4 verification) and M = 8 (a batch dra
 read, against the machine's read bandwidth (a large tensor summed: bytes read per second).
 Target (quantized-drafting issue): the int8 head at >= 80% of the read bandwidth.
 
-    .venv/bin/python benchmarks/quant_kernels.py [--repeats 30] [--threads 2]
+    .venv/bin/python benchmarks/quant/quant_kernels.py [--repeats 30] [--threads 2]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: common.py
 
 import selfspec
 from selfspec import kernels

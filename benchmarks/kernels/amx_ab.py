@@ -10,8 +10,8 @@ VDPBF16PS (SELFSPEC_AMX=0), side by side.
                is chosen once per process); each child checks its speculative greedy outputs
                against its own autoregressive ones
 
-    python benchmarks/amx_ab.py                       # default model, 4 + 4 prompts x 128 tokens
-    python benchmarks/amx_ab.py --rows 1,7,16 --num-samples 2 --json out.json
+    python benchmarks/kernels/amx_ab.py                       # default model, 4 + 4 prompts x 128 tokens
+    python benchmarks/kernels/amx_ab.py --rows 1,7,16 --num-samples 2 --json out.json
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the repository, common.py
 
 import selfspec  # noqa: E402
 from selfspec import kernels  # noqa: E402

@@ -1,6 +1,6 @@
 """The int8-screened exact greedy head (selfspec/greedy_head.py) against the full head, side by side.
 
-    .venv/bin/python benchmarks/greedy_head.py [--num-samples 3] [--max-new-tokens 128] [--repeats 2]
+    .venv/bin/python benchmarks/kernels/greedy_head.py [--num-samples 3] [--max-new-tokens 128] [--repeats 2]
 
 Part 1, the head alone: final norm + LM head of the default model at 1..8 rows (real hidden
 states from greedy continuations), full bf16 head vs argmax-only (int8 screen + exact
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: common.py
 
 from rich.console import Console
 from rich.table import Table

@@ -11,7 +11,7 @@ token / one autoregressive step, measured).
 
 The copy's LM head is quantized like its layers (over the 16k most frequent tokens for int8-16k).
 
-    .venv/bin/python benchmarks/quant_agreement.py [--num-samples 3] [--max-new-tokens 64] [--formats int8,int4-g64,...]
+    .venv/bin/python benchmarks/quant/quant_agreement.py [--num-samples 3] [--max-new-tokens 64] [--formats int8,int4-g64,...]
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 the same text with the same wall-clock budget, with the LayerSkip recipe (layer dropout +
 early-exit loss) and without it (plain next-token loss), then measure both side by side.
 
-    python benchmarks/train_layerskip_demo.py                     # 2 x 20 min + measuring, ~45 min
-    python benchmarks/train_layerskip_demo.py --minutes 1 --prompts 2 --max-new-tokens 16    # smoke test
+    python examples/train_layerskip_demo.py                     # 2 x 20 min + measuring, ~45 min
+    python examples/train_layerskip_demo.py --minutes 1 --prompts 2 --max-new-tokens 16    # smoke test
 
 Steps (fixed seeds throughout):
  1. read the `stdlib` corpus (selfspec/training/data.py), learn one BPE tokenizer

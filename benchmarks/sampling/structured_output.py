@@ -13,9 +13,9 @@
      arm, the ratio, the share of tokens drafted free because the grammar forced them (and
      accepted), and whether the outputs are identical (they must be).
 
-    python benchmarks/structured_output.py                 # both parts
-    python benchmarks/structured_output.py --part costs    # part 1 only (no model)
-    python benchmarks/structured_output.py --json out.json
+    python benchmarks/sampling/structured_output.py                 # both parts
+    python benchmarks/sampling/structured_output.py --part costs    # part 1 only (no model)
+    python benchmarks/sampling/structured_output.py --json out.json
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ probability alpha, maximised over K:
 
     S(K, alpha) = E[N](alpha, K) / (K * c + v(K + 1)),   E[N] = (1 - alpha^(K+1)) / (1 - alpha)
 
-    python benchmarks/verify_cost.py                                  # the default model
-    python benchmarks/verify_cost.py --model results/layerskip_demo/lm/final --exits 2,3,6
+    python benchmarks/speed/verify_cost.py                                  # the default model
+    python benchmarks/speed/verify_cost.py --model results/layerskip_demo/lm/final --exits 2,3,6
 
 A model whose weights fit in the CPU's last-level cache is compute-bound: v(T) grows by a
 large fraction of a step per extra position, which caps every drafter no matter how good.
@@ -28,8 +28,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the repository, common.py
 
 import selfspec  # noqa: E402
 from selfspec.predictor.simulate import expected_tokens  # noqa: E402

@@ -2,9 +2,9 @@
 library, then measure exit-adapter drafting against autoregressive decoding, and against
 plain early exit at the same layer with the same draft vocabulary, side by side.
 
-    python benchmarks/train_gemma_adapter.py                        # 60 min of training, then the benchmark
-    python benchmarks/train_gemma_adapter.py --run OUT/run --out OUT2   # the benchmark alone, for a trained run
-    python benchmarks/train_gemma_adapter.py --minutes 1 --num-samples 1 --max-new-tokens 16 --eval-sequences 2   # smoke test
+    python examples/train_gemma_adapter.py                        # 60 min of training, then the benchmark
+    python examples/train_gemma_adapter.py --run OUT/run --out OUT2   # the benchmark alone, for a trained run
+    python examples/train_gemma_adapter.py --minutes 1 --num-samples 1 --max-new-tokens 16 --eval-sequences 2   # smoke test
 
 Steps (fixed seeds):
  1. load the benchmark prompts first (selfspec.tools.datasets: --datasets, --num-samples)

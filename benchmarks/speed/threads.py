@@ -5,7 +5,7 @@ a thread other than the one that loaded the model. The kernels run on their own 
 (csrc/pool.c), so the calling thread must not matter; with OpenMP (before) a second thread's
 pool made every pool's workers sleep between parallel regions and such calls ran ~0.7x.
 
-    .venv/bin/python benchmarks/threads.py [--strategy autoregressive] [--rounds 3] [--max-new-tokens 128]
+    .venv/bin/python benchmarks/speed/threads.py [--strategy autoregressive] [--rounds 3] [--max-new-tokens 128]
 
 Per round, interleaved: one greedy generation per prompt from the main thread, from one
 long-lived worker thread, and from a fresh thread per call; tok/s summed over the prompts,
@@ -21,7 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: common.py
 
 import selfspec  # noqa: E402
 from selfspec.tools.datasets import load_dataset  # noqa: E402

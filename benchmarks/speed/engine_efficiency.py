@@ -10,7 +10,7 @@
    generate(assistant_early_exit=E) at the same E and draft length, greedy. Target >= 3x.
 3. Peak memory (max RSS, each strategy in its own process): early-exit vs autoregressive.
 
-    .venv/bin/python benchmarks/engine_efficiency.py [--dtype bfloat16] [--max-new-tokens 64]
+    .venv/bin/python benchmarks/speed/engine_efficiency.py [--dtype bfloat16] [--max-new-tokens 64]
 """
 
 from __future__ import annotations
@@ -22,9 +22,12 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
-from common import PROMPTS, hf_model, machine
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: common.py
+from common import PROMPTS, hf_model, machine  # noqa: E402
 from rich.console import Console
 from rich.table import Table
 

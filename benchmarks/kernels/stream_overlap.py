@@ -13,8 +13,8 @@ the int8 draft copy's) at each row count T:
     floor      max(streamed at T = 1, in cache at T): what a perfect overlap would take
     overlap    floor / streamed (1.0: perfectly overlapped; ~0.5: serialised)
 
-    python benchmarks/stream_overlap.py                   # default model, bf16, T = 1,2,4,6,7,8,16
-    python benchmarks/stream_overlap.py --int8 --json out.json
+    python benchmarks/kernels/stream_overlap.py                   # default model, bf16, T = 1,2,4,6,7,8,16
+    python benchmarks/kernels/stream_overlap.py --int8 --json out.json
 
 The matmuls are called through the kernels' C entry point directly (no tensor allocation per
 call), one after another as a pass makes them; the fused blocks add attention and norms,
@@ -35,14 +35,15 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the repository, common.py
 
 import selfspec  # noqa: E402
 from selfspec import kernels  # noqa: E402
 from selfspec.kernels import build  # noqa: E402
 from selfspec.kernels.gemm import operand  # noqa: E402
-from selfspec.runtime import _MATRICES, _nbytes  # noqa: E402
+from selfspec.kernels.weights import nbytes as _nbytes  # noqa: E402
+from selfspec.runtime import _MATRICES  # noqa: E402
 
 from common import machine  # noqa: E402
 

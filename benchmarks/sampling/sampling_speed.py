@@ -1,6 +1,6 @@
 """Sampling overhead and sampling tok/s, old path vs new, side by side in one run (issue 14).
 
-    .venv/bin/python benchmarks/sampling_speed.py [--num-samples 4] [--max-new-tokens 128]
+    .venv/bin/python benchmarks/sampling/sampling_speed.py [--num-samples 4] [--max-new-tokens 128]
         [--sections rows,e2e,strategies] [--repeats 20] [--e2e-repeats 2]
 
 Sections (default model, bfloat16, built-in prompt sets code + text):
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: common.py
 
 from rich.console import Console
 from rich.table import Table

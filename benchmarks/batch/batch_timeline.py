@@ -1,7 +1,7 @@
 """Where a batch's time to first token goes: the engine alone, step by step.
 
-    python benchmarks/batch_timeline.py                        # 8 clients x 2 rounds, the default strategy
-    python benchmarks/batch_timeline.py --clients 8 --rounds 1 --strategy autoregressive --steps 12
+    python benchmarks/batch/batch_timeline.py                        # 8 clients x 2 rounds, the default strategy
+    python benchmarks/batch/batch_timeline.py --clients 8 --rounds 1 --strategy autoregressive --steps 12
 
 Runs server_load.py's sweep without the server: one thread steps a `BatchEngine` (as the
 server's engine thread does), N client threads each submit --rounds greedy requests one after
@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "server")]  # common.py, server_load.py
 
 import selfspec  # noqa: E402
 from selfspec.batch import BatchEngine, BatchRequest  # noqa: E402

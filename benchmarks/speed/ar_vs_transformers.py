@@ -4,16 +4,20 @@ Both run interleaved prompt by prompt in one process (machine drift hits both), 
 warm-up, for bfloat16 and float32. Also prints the share of the memory-bandwidth floor:
 weight bytes x tokens/s / measured copy bandwidth.
 
-    .venv/bin/python benchmarks/ar_vs_transformers.py [--max-new-tokens 128] [--dtypes bfloat16,float32]
+    .venv/bin/python benchmarks/speed/ar_vs_transformers.py [--max-new-tokens 128] [--dtypes bfloat16,float32]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+from pathlib import Path
 
 import torch
-from common import PROMPTS, copy_bandwidth_gbs, hf_generate_tps, hf_model, machine
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: common.py
+from common import PROMPTS, copy_bandwidth_gbs, hf_generate_tps, hf_model, machine  # noqa: E402
 from rich.console import Console
 from rich.table import Table
 

@@ -2,9 +2,9 @@
 drafting strategy vs transformers' own `generate` and `generate(assistant_early_exit=E)`,
 on the built-in prompt sets, with the ratios side by side.
 
-    python benchmarks/compare_all.py                       # default model, code/text/summarize
-    python benchmarks/compare_all.py --num-samples 3 --max-new-tokens 32 --datasets code
-    python benchmarks/compare_all.py --early-exit-profile sweep-results/best_profile.json
+    python benchmarks/speed/compare_all.py                       # default model, code/text/summarize
+    python benchmarks/speed/compare_all.py --num-samples 3 --max-new-tokens 32 --datasets code
+    python benchmarks/speed/compare_all.py --early-exit-profile sweep-results/best_profile.json
 
 For every prompt all methods run back to back, their order rotating from prompt to prompt
 so machine drift hits all of them alike. Greedy decoding throughout; the same prompt token

@@ -13,8 +13,8 @@ as bf16 safetensors shards (no Hub needed), each measured in a fresh process:
     LayerSkip's arithmetic (the bytes of E layers plus the draft head over a step's bytes).
     Random weights: drafts are rejected, which changes nothing about what a draft costs.
 
-    python benchmarks/big_models.py                       # 1B, 3B, 7B (7B: 13.5 GB of disk, ~15 GB of memory)
-    python benchmarks/big_models.py --sizes 1B --tokens 64 --out results/big_models.json
+    python benchmarks/models/big_models.py                       # 1B, 3B, 7B (7B: 13.5 GB of disk, ~15 GB of memory)
+    python benchmarks/models/big_models.py --sizes 1B --tokens 64 --out results/big_models.json
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]  # benchmarks/: common.py
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT.parent / "tests"))
 

@@ -1,6 +1,6 @@
 """Aggregate throughput of batched generation (selfspec.batch) against one request at a time.
 
-    python benchmarks/batch_throughput.py [--concurrency 1,4,8,16] [--max-new-tokens 128] [--hf 1,8]
+    python benchmarks/batch/batch_throughput.py [--concurrency 1,4,8,16] [--max-new-tokens 128] [--hf 1,8]
 
 Default model (Gemma 3 270M), bfloat16, greedy; prompts from the built-in code + text sets.
 For each concurrency c the first c prompts are generated (a) one at a time with `generate`
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: common.py
 
 import selfspec  # noqa: E402
 from selfspec.tools.datasets import load_dataset  # noqa: E402

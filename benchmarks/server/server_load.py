@@ -1,8 +1,8 @@
 """Load benchmark for `selfspec serve` (loopback only, bounded in count and time).
 
-    python benchmarks/server_load.py --model gemma-3-270m --dtype float32 --strategy early-exit --exit-layer 8 \\
+    python benchmarks/server/server_load.py --model gemma-3-270m --dtype float32 --strategy early-exit --exit-layer 8 \\
         --clients 4 --requests 24 --max-tokens 64
-    python benchmarks/server_load.py --tiny            # a tiny random model built on the fly (smoke run)
+    python benchmarks/server/server_load.py --tiny            # a tiny random model built on the fly (smoke run)
 
 What it does:
   1. loads the model here (for direct generation) and starts `selfspec serve` with the same
@@ -18,8 +18,8 @@ Exit status 1 when any request failed or any output differed.
 
 Sweep mode (issue 17: the batching server), with the `openai` client over loopback:
 
-    python benchmarks/server_load.py --sweep                       # gemma-3-270m bf16, greedy, 128 new tokens
-    python benchmarks/server_load.py --sweep --clients-list 1,4,8,16 --strategies autoregressive,default
+    python benchmarks/server/server_load.py --sweep                       # gemma-3-270m bf16, greedy, 128 new tokens
+    python benchmarks/server/server_load.py --sweep --clients-list 1,4,8,16 --strategies autoregressive,default
 
 For every strategy (`default`: the server's own, no `selfspec` field; any other name is sent
 per request) and every client count N: N clients each stream --rounds requests at once;
@@ -45,7 +45,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import stop_server  # benchmarks/common.py (scripts run from benchmarks/)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: common.py
+from common import stop_server  # noqa: E402
 
 HOST = "127.0.0.1"  # loopback only, by design
 PROMPTS = [

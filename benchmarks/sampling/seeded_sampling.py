@@ -13,9 +13,9 @@ temperature 0.8, top_p 0.95, one seed per prompt:
      rounds); tok/s over all tokens of an arm, and the ratios;
   3. acceptance per strategy under both rules (accepted / drafted, from part 1's 2-thread runs).
 
-    python benchmarks/seeded_sampling.py                          # the full run (~10 min on 2 cores)
-    python benchmarks/seeded_sampling.py --per-set 1 --no-server  # quicker
-    python benchmarks/seeded_sampling.py --json out.json
+    python benchmarks/sampling/seeded_sampling.py                          # the full run (~10 min on 2 cores)
+    python benchmarks/sampling/seeded_sampling.py --per-set 1 --no-server  # quicker
+    python benchmarks/sampling/seeded_sampling.py --json out.json
 
 Exit status 1 when any gumbel text differs (the guarantee broken).
 """
@@ -34,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-from common import stop_server  # benchmarks/common.py (scripts run from benchmarks/)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: common.py
+from common import stop_server  # noqa: E402
 
 HOST = "127.0.0.1"
 COUPLINGS = ("gumbel", "rejection")

@@ -1,7 +1,7 @@
 """Restricted draft vocabulary on the default model: draft cost per token and acceptance at
 N in {8k, 16k, 32k, full} (issue "never slower", part 2).
 
-    python benchmarks/draft_vocab.py [--exits 6,9,12,15] [--num-samples 3] [--max-new-tokens 64]
+    python benchmarks/speed/draft_vocab.py [--exits 6,9,12,15] [--num-samples 3] [--max-new-tokens 64]
 
 Cost: the measured CostModel (speedup.py): one draft token = layers < E + the draft head
 over N tokens; c = that / one autoregressive step. Acceptance: top-1 agreement of the exit
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: common.py
 
 from rich.console import Console
 from rich.table import Table

@@ -1,6 +1,6 @@
 """The first `generate_batch` of a process against the same call warm (no hidden first-call costs).
 
-    python benchmarks/cold_batch.py [--processes 3] [--prompts 8] [--max-new-tokens 96] [--strategy autoregressive]
+    python benchmarks/batch/cold_batch.py [--processes 3] [--prompts 8] [--max-new-tokens 96] [--strategy autoregressive]
 
 Each round starts a fresh Python process that loads the default model (bfloat16) and times
 the same `generate_batch` call three times in a row: the first is the cold call, the other
@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: common.py
 
 
 def child(args) -> dict:

@@ -1,7 +1,7 @@
 """Soak test of `selfspec serve` (loopback only, bounded in count and time).
 
-    python benchmarks/soak.py                          # gemma-3-270m, bfloat16, 1000 requests, 8 clients
-    python benchmarks/soak.py --tiny --requests 60     # a tiny random model built on the fly
+    python benchmarks/server/soak.py                          # gemma-3-270m, bfloat16, 1000 requests, 8 clients
+    python benchmarks/server/soak.py --tiny --requests 60     # a tiny random model built on the fly
 
 Starts `selfspec serve` (port 0, an API key) as a subprocess, loads the same model here for
 direct generation, then sends --requests requests from --clients concurrent clients, a
@@ -39,7 +39,8 @@ import httpx
 import openai
 import psutil
 
-from common import stop_server  # benchmarks/common.py (scripts run from benchmarks/)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: common.py
+from common import stop_server  # noqa: E402
 
 HOST = "127.0.0.1"  # loopback only, by design
 KEY = "soak-key"
