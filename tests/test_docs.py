@@ -55,8 +55,9 @@ def test_readme_is_a_first_screen_with_the_ci_commands():
     text = README.read_text()
     assert len(text.splitlines()) < 250
     first = re.search(r"```bash\n(.*?)```", text, re.S).group(1).splitlines()
-    assert first[0].startswith("./scripts/setup.sh && ")
-    assert first[1] == ".venv/bin/python -m pytest"
+    assert first == ['./scripts/setup.sh && .venv/bin/selfspec generate "def fibonacci(n):" --max-new-tokens 64 '
+                     "--stream-style speculative",
+                     ".venv/bin/python -m pytest"]
     ci = (ROOT / ".ci" / "run").read_text()
     assert "./scripts/setup.sh" in ci and ".venv/bin/python -m pytest" in ci
 
@@ -77,3 +78,15 @@ def test_layout_page_names_every_module():
     for folder, line in folders:
         for script in re.findall(r"`(\w+\.(?:py|json))`", line):
             assert (ROOT / "benchmarks" / folder / script).exists(), f"benchmarks/{folder}/{script}"
+
+
+def test_paths_named_in_the_docs_exist():
+    """A script, test or source file the README or a page names (`benchmarks/speed/vs_llamacpp.py`,
+    `selfspec/csrc/gemm.c`...) is there: a move updates the docs with it."""
+    path = re.compile(r"\b(?:benchmarks|examples|tests|selfspec|scripts)/[\w./-]+\.(?:py|json|md|c|h|sh)\b")
+    missing = set()
+    for page in [README, *sorted(DOCS.glob("*.md"))]:
+        for p in path.findall(page.read_text()):
+            if not re.search(r"/[A-Z]+[/.]", p) and not (ROOT / p).exists():  # SUBJECT/NAME: a placeholder
+                missing.add(f"{page.name}: {p}")
+    assert not missing, sorted(missing)
