@@ -183,8 +183,8 @@ def draft_logits(runtime, h: torch.Tensor, head_columns: torch.Tensor) -> torch.
 
 def prepared_weights(adapter: "ExitAdapter", runtime) -> AdapterWeights:
     """The adapter's matrices as `runtime` multiplies them: on the kernel path, copies in the
-    runtime's dtype laid out for kernels.matmul (~0.1 ms a draft token instead of ~4 ms of
-    fp32 torch ops; only the drafts change, never the verified output), else the parameters."""
+    runtime's dtype laid out for kernels.matmul (a small share of a draft token where
+    fp32 torch ops cost most of one; only the drafts change, never the verified output), else the parameters."""
     w = adapter.weights()
     if not runtime.uses_kernels:
         return w

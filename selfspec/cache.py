@@ -93,7 +93,7 @@ class SegmentTable:
 class CachePool:
     """Freed caches kept for the next sequence of the same capacity. A continuous batch gives
     every request its own cache, and a fresh one is a zeroed allocation of every layer's rows
-    (4.7 MB on the default model: 0.4-0.8 ms with its page faults), paid on the way to each
+    (megabytes on the default model, with their page faults), paid on the way to each
     newcomer's first token. A reused cache keeps its last sequence's rows, as rollback keeps
     rejected drafts' rows: the fused blocks never read a key past a query's own position, so
     they cannot see them; a runtime without them (torch attends over the whole buffer under a

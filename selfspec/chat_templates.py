@@ -163,7 +163,7 @@ def check_jinja(text: str, what: str) -> str:
 
 def token_id(tokenizer, token: str) -> int | None:
     """The id of `token` when it is one token of the tokenizer's vocabulary (looked up one by
-    one: building the whole vocabulary costs ~0.5 s on Gemma's 262k entries)."""
+    one: building the whole vocabulary is slow on Gemma's 262k entries)."""
     if tokenizer is None:
         return None
     try:

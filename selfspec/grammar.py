@@ -65,8 +65,8 @@ def compile_grammar(g: Grammar) -> str:
 
 
 def ll_tokenizer(model) -> llguidance.LLTokenizer:
-    """llguidance's view of the model's tokenizer over its vocabulary (made once per model: ~5 s
-    for a 262k vocabulary)."""
+    """llguidance's view of the model's tokenizer over its vocabulary (made once per model: it takes
+    seconds for a 262k vocabulary)."""
     with _lock:
         if model not in _tokenizers:
             if model.tokenizer is None:

@@ -37,7 +37,7 @@ from selfspec.kernels.screen import (act_residual, exact_columns, quant_block, s
                                      screen_quantize)
 
 CAP = 4096  # candidates a row may have before it is computed in full
-MIN_WEIGHTS = 1 << 22  # smaller heads stay in cache, where the screen's fixed costs (~0.1 ms) outweigh the bytes saved
+MIN_WEIGHTS = 1 << 22  # smaller heads stay in cache, where the screen's fixed costs outweigh the bytes saved
 _U = 2.0**-24  # fp32 unit roundoff
 
 

@@ -133,7 +133,7 @@ class LazyRows:
 
 class Checkpoint(Mapping):
     """A model directory's safetensors shards as a read-on-demand state dict: a name maps to its
-    tensor, read when asked for. Each read maps its shard afresh (~50 us) and the tensor it
+    tensor, read when asked for. Each read maps its shard afresh (cheap) and the tensor it
     returns is a view of that map, which lives exactly as long as the tensor: pages a map has
     touched count in the process's RSS until it is unmapped, so one map held open for a whole
     shard would count all of it (measured: the full shard) while a layout is built next to
@@ -320,7 +320,7 @@ def load_source(source, tokenizer=None, allow_pickle: bool = False, fits: Callab
     config = _checked_config(path, fits)
     sd = _read_state_dict(path, allow_pickle)  # headers only, no weights read yet
     if tokenizer is None and any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
-        # Parsing a large tokenizer (Gemma's: 262k entries, ~2.5 s) overlaps with reading
+        # Parsing a large tokenizer (Gemma's: 262k entries, seconds) overlaps with reading
         # and converting the weights; the caller resolves the future.
         tokenizer = _POOL.submit(_load_tokenizer, path)
     return sd, config, tokenizer, name

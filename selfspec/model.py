@@ -262,8 +262,8 @@ class SelfSpecModel:
         """Make what the default strategy drafts with now, when the model has an installed
         profile (quantized copy, draft head, measured costs), so that the first generation does
         not pay for it (load does this), nor the first generate_batch: the batch planner's pass
-        costs, measured once per machine and kept (batch/planner.kept_costs; ~1 s on the default
-        model). Without a profile auto calibrates per prompt instead, and a batch measures the
+        costs, measured once per machine and kept (batch/planner.kept_costs; about a second on the
+        default model). Without a profile auto calibrates per prompt instead, and a batch measures the
         costs at its first call. The screened greedy head (greedy_head.py) is made here too."""
         screened_head(self.runtime)
         if installed_profile(self.fingerprint, repo_id=self.repo_id) is not None:

@@ -175,7 +175,7 @@ _read: dict[Path, tuple[tuple[int, int, int], Profile | None]] = {}  # path -> (
 def _read_profile(path: Path) -> Profile | None:
     """load_profile(path), or None for a file that is not a usable profile; parsed again only
     when the file changes (a server builds auto's drafter per request: reading and validating
-    every profile was ~0.35 ms of each admission). install_profile writes a new file and
+    every profile was a visible part of each admission). install_profile writes a new file and
     renames it over the old one: a new inode, so a change is never missed."""
     try:
         st = path.stat()

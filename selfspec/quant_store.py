@@ -1,5 +1,5 @@
 """Quantized copies kept on disk: a model's int8/int4 draft copy is made once per machine
-(selfspec/quant.py, ~1 s per 100M weights) and read back on later loads (a fraction of a
+(selfspec/quant.py, about a second per 100M weights) and read back on later loads (a fraction of a
 second), as the converted default model is. One safetensors file per copy, written to a
 temporary file and renamed; a file made by other quantizer code, for other weights or a
 dtype, or that does not read back whole is ignored and remade."""

@@ -114,7 +114,7 @@ class DraftResources:
     def sub_vocab(self, vocab: torch.Tensor) -> SubVocab:
         """SubVocab(vocab), made once per vocabulary size and shared by the drafters that draft
         over it (a drafter is built per request: the vocabulary-sized token -> entry map and
-        the entry -> token list were ~0.3 ms of each request's admission)."""
+        the entry -> token list were a visible part of each request's admission)."""
         with self._lock:
             sub = self._sub_vocabs.get(len(vocab))
             if sub is not None and not sub.ids.equal(vocab.long()):  # another vocabulary of that size

@@ -79,7 +79,7 @@ def _torch_mm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, m
 
 def _kernel_mm(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract through selfspec.kernels: one fixed-order FMA chain per output element,
-    row-invariant by construction, ~2x torch's bf16 matmul at decode sizes."""
+    row-invariant by construction, faster than torch's bf16 matmul at decode sizes."""
     y = kernels.matmul(x, w)
     return y if b is None else y + b
 

@@ -67,7 +67,7 @@ def test_extra_bytes(model, bits, limit):
 
 def test_draft_agrees_with_the_model(model):
     """An int8 copy agrees with the full model on nearly every greedy token (here a tiny random
-    model; ~98-99% on the default model, benchmarks/quant_agreement.py)."""
+    model; ~98-99% on the default model, benchmarks/quant/quant_agreement.py)."""
     ps = prompts(n=4, vocab=model.spec.vocab_size, lengths=(10, 14), seed=5)
     outs = [model.generate(p, max_new_tokens=32, strategy="quantized", num_speculations=4) for p in ps]
     drafted, accepted = sum(o.stats.drafted for o in outs), sum(o.stats.accepted for o in outs)

@@ -1,4 +1,4 @@
-"""A short soak of `selfspec serve` (benchmarks/soak.py with a few dozen requests on a tiny
+"""A short soak of `selfspec serve` (benchmarks/server/soak.py with a few dozen requests on a tiny
 model): concurrent streaming clients, clients leaving mid-stream, malformed and oversized
 bodies, wrong keys. No 5xx, every output equal to direct generation, no leaked slot, no
 traceback, and /health's outcomes agree with the statuses the clients saw."""
@@ -18,14 +18,14 @@ import selfspec  # noqa: E402
 
 from test_server import build_tiny_model  # noqa: E402
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "server" / "soak.py"
 
 
 def load_soak():
     spec = importlib.util.spec_from_file_location("selfspec_soak", BENCH)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
-    sys.path.insert(0, str(BENCH.parent))  # its `common` (benchmarks/common.py)
+    sys.path.insert(0, str(BENCH.parent))  # its sibling server_load.py (it puts benchmarks/ on the path itself)
     try:
         spec.loader.exec_module(mod)
     finally:
@@ -53,7 +53,7 @@ def test_short_soak(tmp_path):
 
 @pytest.mark.parametrize("counts", ["0", "a,1", "1,100"])
 def test_server_load_rejects_bad_hf_clients(counts):
-    """benchmarks/server_load.py: a request count outside 1..64 is a usage error (exit 2), not a
+    """benchmarks/server/server_load.py: a request count outside 1..64 is a usage error (exit 2), not a
     division by zero after minutes of measuring."""
     import subprocess
     bench = BENCH.parent / "server_load.py"
@@ -63,7 +63,7 @@ def test_server_load_rejects_bad_hf_clients(counts):
 
 
 def test_server_load_keeps_a_mismatching_text_whole():
-    """benchmarks/server_load.py: a streamed text that differs from solo decoding is reported with
+    """benchmarks/server/server_load.py: a streamed text that differs from solo decoding is reported with
     where it departs and both texts, so a rare difference can be traced afterwards."""
     spec = importlib.util.spec_from_file_location("selfspec_server_load", BENCH.parent / "server_load.py")
     mod = importlib.util.module_from_spec(spec)

@@ -57,8 +57,8 @@ _costs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # runtime -> Ba
 def default_prefill_chunk(cpus: int | None = None) -> int:
     """Prompt rows per step when none is given: 32 per CPU core, between 32 and 512. Prefill is
     compute-bound, so a chunk's time is its rows over the cores; 32 rows a core keep a running
-    stream's longest wait near 50 ms on the 2-core reference machine (64 rows) while the pass's
-    fixed part (streaming every weight, the head rows) stays a small share (0.83 ms a row at 64
+    stream's longest wait short on the 2-core reference machine (64 rows) while the pass's
+    fixed part (streaming every weight, the head rows) stays a small share (per-row cost at 64
     rows against 0.75 at 128, measured on the default model)."""
     cpus = cpus or os.cpu_count() or 1
     return max(32, min(512, PREFILL_ROWS_PER_CORE * cpus))
@@ -297,8 +297,8 @@ class BatchEngine:
         own while sequences are decoding: at the start of a step, or between its drafts and its
         verification for those that arrived meanwhile; at most one such pass between two
         batched verifications. Why: a newcomer's first token then waits for its own rows only
-        (a prompt of ~15 rows: ~15 ms on 2 cores) instead of a whole step that also verifies
-        every running sequence's drafts (25-35 ms at 8); the running ones wait for one such pass
+        (a short prompt's pass) instead of a whole step that also verifies
+        every running sequence's drafts (about twice as long at 8); the running ones wait for one such pass
         more, so a stall stays below a chunk's pass plus a step."""
         if self._stall_from is not None:
             return []

@@ -4,7 +4,7 @@ One batched step costs the draft forwards plus ONE verify pass over every row of
 sequence (pending token + drafts) and the prefill rows riding along. Rows are nearly free
 while a pass is bound by streaming the weights and cost their arithmetic once it is bound
 by compute, so the same draft that pays for one sequence may not pay in a batch of 16
-(llama.cpp: lookup decoding 1.10x at 1 slot, 0.77x at 8). The planner maximises the batch's
+(llama.cpp's lookup decoding: faster at 1 slot, slower at 8; benchmarks/RESULTS.md). The planner maximises the batch's
 expected tokens per second
 
     sum_i E[N](alpha_i, k_i) / (t_draft(k) + t_verify(P + sum_i (k_i + 1)))
@@ -31,7 +31,7 @@ from selfspec.predictor.costs import load_stored, save_stored, time_alternating,
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 # A plan must beat drafting nothing by this factor: a smaller predicted gain is within the
 # error of the cost tables and acceptances (at 8 sequences of the default model a plan
-# predicted at +2-7% measured 0.94-1.0x plain decoding).
+# predicted a few percent faster measured no faster than plain decoding; benchmarks/RESULTS.md).
 MARGIN = 1.05
 
 
@@ -93,8 +93,8 @@ class BatchCosts:
         runtime's layer pass and expressed in the `layers` table's time (measure_draft: the
         machine drifts between the two timings). Measured, not scaled by bytes:
         a quantized copy that reads half the bytes of bf16 is as dear per row once several
-        rows make its kernel compute-bound (about 2 ms a row for the int8 copy of the
-        default model on the 2-core reference machine, 4x the bytes-scaled estimate at 8 rows)."""
+        rows make its kernel compute-bound (for the int8 copy of the default model on the
+        2-core reference machine, several times the bytes-scaled estimate at 8 rows)."""
         if rows <= 0:
             return 0.0
         key = tuple(id(x) if not isinstance(x, (int, frozenset, tuple)) else x for x in signature)
@@ -137,7 +137,7 @@ KEPT_FORMAT = "selfspec-batch-costs/1"
 def kept_costs(res) -> BatchCosts:
     """A model's pass costs (res: its resources.DraftResources): measured once per model and
     machine (a second or two on the default model, which the first generate_batch of every
-    process used to pay: 0.61x a warm call), kept on disk beside the primitive costs with the
+    process used to pay: a slow first call), kept on disk beside the primitive costs with the
     same identity, and the draft tables timed on first use kept with them. A model without a
     fingerprint measures them once per process."""
     return res.once("batch_costs", lambda: _load_or_measure(res))
@@ -174,10 +174,10 @@ def measure_draft(draft_rt, exit_layer: int, head, skip_attn=frozenset(), skip_m
     reference = (rt, layers table): each draft forward is timed alternately with rt's full
     layer pass over the same rows and the result given in the table's time,
     draft / layers-now * table[r]. The planner weighs draft seconds against verify seconds
-    from tables timed seconds or minutes apart on a machine whose speed drifts (1.5x between
-    processes on the reference VM): timed apart, the default model's int8 draft measured 0.57x
-    the layer pass in two processes and 0.95x in a third, which then never drafted at 4
-    sequences (1.1-1.2x autoregressive there when it drafts)."""
+    from tables timed seconds or minutes apart on a machine whose speed drifts (by half between
+    processes on the reference VM): timed apart, the default model's int8 draft measured about
+    half the layer pass in two processes and nearly all of it in a third, which then never drafted
+    at 4 sequences, where drafting pays (benchmarks/RESULTS.md)."""
     rt, table = reference if reference is not None else (None, None)
     out = {}
     caches = [draft_rt.new_cache(context + max(DRAFT_ROWS)) for _ in range(8)]
@@ -273,7 +273,7 @@ class _Plan:
         # what its rows add to the pass. Charging the whole pass would make every draft token
         # look cheap next to it and the batch would draft hard exactly when rows are dearest
         # (measured: 16 sequences drafted ~30 tokens a step during prefill, then finished
-        # unevenly and decoded the tail at low occupancy; 0.85x autoregressive).
+        # unevenly and decoded the tail at low occupancy: slower than autoregressive).
         self.base = self.sv * costs.verify(prefill_rows, prefill_logits) if prefill_rows else 0.0
         self._tv: dict[int, float] = {}
         self.value = self.gain / (self.t_draft + self.t_verify(self.rows))
@@ -298,7 +298,7 @@ class _Plan:
         candidate: a run of m >= 1 tokens for one sequence (a run, not one token: a
         self-draft's first token pays a whole draft forward), or m more for every sequence of
         one draft group at once (their forwards are shared: at 8 sequences one int8 draft
-        forward costs ~1.4x one sequence's, so no single sequence's token pays for it while
+        forward costs well under twice one sequence's, so no single sequence's token pays for it while
         the group's eight do)."""
         k, caps, groups, alphas = self.k, self.caps, self.groups, self.alphas
         seen = set()
@@ -368,7 +368,7 @@ def predicted(costs: BatchCosts, ks: list[int], groups: list, rows: int, logit_r
 class CostScale:
     """Running ratios of measured to predicted seconds (draft forwards, verify passes), so that
     the planner weighs the two at today's speeds: both are measured in the same steps, so a
-    drift of the machine (1.5x over minutes on the reference VM) cancels out of the choice."""
+    drift of the machine (large over minutes on the reference VM) cancels out of the choice."""
 
     def __init__(self, weight: float = 0.2):
         self.draft, self.verify, self.weight = 1.0, 1.0, weight
@@ -402,8 +402,8 @@ def prompt_group(costs: BatchCosts, lengths: list[int], cap: int, later_cap: int
     the engine's cap once streams decode). Why not always as many as fit: a pass has a fixed
     part (every weight streamed, the head's rows) that grouping shares, and a part per row that
     it does not; on 2 cores eight 13-19-row prompts arriving together (in process, the default
-    model) reached their first tokens at 33 ms (4) / 52 (2) / 78 (2) in passes of at most 64
-    rows, mean 50 ms; at 37.5 (5) / 64.5 (3), mean 47.6, in the partition this picks."""
+    model) reached their first tokens sooner on average in the partition this picks than in
+    passes of at most 64 rows (the figures: docs/serving.md)."""
     n = len(lengths)
     best, first = [0.0] * (n + 1), [1] * (n + 1)
     for i in range(n - 1, -1, -1):

@@ -201,8 +201,8 @@ class Sequence:
         past an EOS); -> it when the sequence is hot, for the batch to draft free, else [].
 
         Why hot only: a hot copy's tokens are accepted 0.83-0.87 each, a cold one's 0.13-0.33
-        (lookup.copy_held), while a batched verify row is dear (8 sequences: ~1.5 ms a row
-        against ~2.8 ms a token); a cold sequence keeps its self-draft. Alone, lookup-first does
+        (lookup.copy_held), while a batched verify row is dear (at 8 sequences a row costs
+        about half of what a token is worth); a cold sequence keeps its self-draft. Alone, lookup-first does
         the same (a hot copy is its draft) and checks cold copies against its self-draft."""
         lf = self.lookup_first
         if lf is None or not self.req.sampling.greedy:

@@ -176,7 +176,7 @@ class AutoDrafter(Drafter):
 
     def _learn_rho(self, drafted: int, verified: int, draft_s: float, verify_s: float) -> None:
         """One step's observation of rho. Its two parts ran milliseconds apart, so a machine
-        that slows down or speeds up (CPUs drift 1.5x and more) moves both alike, where whole
+        that slows down or speeds up (shared CPUs drift a lot) moves both alike, where whole
         steps compared with a plain step timed earlier would read drift as draft cost and stop
         drafting for nothing. A part preempted by another process is noise, not cost: one
         observation moves rho by at most a factor 3 ** 0.2."""

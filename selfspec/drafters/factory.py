@@ -74,8 +74,8 @@ def costs_for(cfg: DraftConfig, res: DraftResources):
 def profile_prior(prof) -> tuple[float, float] | None:
     """auto's starting acceptance counts (A, R) from the acceptance its profile measured,
     worth AutoDrafter.PRIOR_WEIGHT steps: without it every generation starts at alpha = 0.5
-    and spends its first ~25 steps drafting short (default model: 26 of 100 steps at k < 5,
-    auto 0.91x the same draft at a fixed K)."""
+    and spends its first ~25 steps drafting short (default model: a quarter of the steps at k < 5,
+    auto slower than the same draft at a fixed K)."""
     m = prof.metrics or {}
     alpha = m.get("measured_acceptance_rate", m.get("acceptance_rate"))
     if not isinstance(alpha, (int, float)) or not 0.0 < alpha < 1.0:
@@ -112,7 +112,7 @@ def build_auto(cfg: DraftConfig, res: DraftResources, eos_ids: tuple[int, ...] =
     n = cfg.draft_vocab
     if n is None and rt.spec.vocab_size > 2 * AUTO_DRAFT_VOCAB and res.has_token_order():
         n = AUTO_DRAFT_VOCAB  # FR-Spec: on a big vocabulary the full draft head would dominate
-    # The quantized copy needs the kernels; it is made at the first calibration (~1 s) and
+    # The quantized copy needs the kernels; it is made at the first calibration and
     # kept by the resources, as is its int8 head.
     bits = AUTO_DRAFT_BITS if rt.uses_kernels and AUTO_DRAFT_BITS in getattr(rt, "draft_bits", (AUTO_DRAFT_BITS,)) else None
     costs = res.cost_model(heads=((n, None),) * bool(n) + ((n, bits),) * bool(bits), bits=(bits,) * bool(bits))

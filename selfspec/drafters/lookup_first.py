@@ -22,14 +22,14 @@ class LookupFirstDrafter(Drafter):
 
     greedy_only: copies are drafts in greedy decoding only (a copied token is accepted with
     probability p(x) when sampling, so there the self-draft alone does better: default model,
-    quantized int8 K=5, greedy 104 -> 117 tok/s with copies as drafts, sampling 100 -> 86);
+    quantized int8 K=5, greedy faster with copies as drafts, sampling slower; benchmarks/RESULTS.md);
     as guesses they serve sampling too (the same draws: a seed reproduces its output; int8
     K=5 at temperature 0.8, 8-15% less drafting time). auto uses it for a profile's
     self-draft. In greedy decoding a copy that foretold the whole self-draft also lends its
     next tokens to verification (_with_tail; auto sizes that tail from its cost tables), and
     after a copy that held for every token a step committed (lookup.copy_held: the text is
     following its context) the next copy is the draft itself, up to Step.room, with no
-    self-draft pass (default model, auto, code + text: 1.045-1.06x)."""
+    self-draft pass (faster on the default model, auto, code + text; docs/strategies.md)."""
 
     def __init__(self, inner: Drafter, cfg: DraftConfig, greedy_only: bool = False):
         super().__init__(inner.rt, cfg, tuple(inner.eos_ids))

@@ -1,9 +1,9 @@
 """A small-M matrix multiply for the CPU decode path: y[M, N] = x[M, K] @ w[K, N].
 
-Why: torch's bf16 matmul (oneDNN) streams weights at ~12-20 GB/s for the tiny M of decode
-and speculative verification; this kernel reaches ~25-30 GB/s on the 2-core AVX-512 box
+Why: torch's bf16 matmul (oneDNN) streams weights well below the memory's pace for the tiny M of decode
+and speculative verification; this kernel comes near it on the 2-core AVX-512 box
 (the same chains in AVX2 code on CPUs without AVX-512: csrc/simd.h, gemm.c's block_eo)
-(the LM head of Gemma 3 270M: ~12-13 ms instead of ~26 ms).
+(the LM head of Gemma 3 270M in half torch's time; docs/performance.md).
 
 Numerics (the contract callers rely on):
   * every output element is ONE fp32 FMA chain in increasing k:
@@ -18,14 +18,14 @@ Numerics (the contract callers rely on):
   * pair layout (pack(w, pairs=True), the default for bf16 weights on CPUs with AVX512-BF16):
     x is first rounded to bf16 and the chain takes k two at a time, odd term then even term,
     with denormals treated as zero (VDPBF16PS's definition). Same guarantees (row-, thread-
-    invariant, one chain per element), its own bits; ~1.2-1.4x faster at 2-9 rows, where the
+    invariant, one chain per element), its own bits; faster at 2-9 rows, where the
     FMA path is compute-bound (speculative verification).
   * AMX (pack(w, amx=True); the runtime's bf16 layer matrices on CPUs with AMX-BF16 unless
     SELFSPEC_AMX=0): the pair layout's products run as TDPBF16PS tile instructions, 16 pairs
     of k per instruction, chunks in increasing k. The hardware's sum inside an instruction
     matches no sequential chain, so these are bits of their own, but the same for every M
-    and thread count (row-invariant: verification == decode); 1.36x faster at 7 rows, 2x at
-    16, 3x at 64 (prefill). The chain belongs to the weight: the LM head keeps VDPBF16PS's.
+    and thread count (row-invariant: verification == decode); faster at several rows, the more
+    rows the more (prefill; docs/how-it-works.md). The chain belongs to the weight: the LM head keeps VDPBF16PS's.
 
 API:
   available() -> bool          the compiled kernel can be used (CPU, compiler, env)

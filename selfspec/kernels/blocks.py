@@ -110,8 +110,8 @@ class StepArgmax:
     """Runtime.step_token's C call (csrc/blocks.c, selfspec_step_argmax): the embedding, layers,
     final norm, head, soft-cap and argmax of a few rows, the kernels the primitives call, in the
     same order. A layer pass streams every weight through the caches and evicts the interpreter's
-    and torch's code, so the handful of small ops around it cost ~0.5 ms a draft token on the
-    default model (a tenth of the token); here they are loops in C. Scratch is per thread.
+    and torch's code, so the handful of small ops around it cost a noticeable share of a draft token
+    on the default model; here they are loops in C. Scratch is per thread.
 
     embed: the embedding rows, a plain [V, H] tensor or (tied) the packed LM head [H, V], in the
     blocks' dtype; embed_scale: None or the factor (rounded to that dtype) the rows are scaled by."""

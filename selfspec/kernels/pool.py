@@ -4,7 +4,7 @@ The kernels run on their own thread pool (csrc/pool.c), the same workers whichev
 calls them. torch runs its intra-op parallel ops (a logits row's fill or argmax, 262k
 entries) on OpenMP threads of its own, which spin for milliseconds after each op: inside a
 generation they would fight the kernels' workers for the same cores (a decode step
-measured ~2x slower on 2 cores). So a generation runs inside `compute_scope()`: the kernels
+measured far slower on 2 cores). So a generation runs inside `compute_scope()`: the kernels
 get the thread count torch had (`threads()`), and torch runs single-threaded in this thread
 until the scope ends (torch.set_num_threads is per calling thread under OpenMP; it is
 restored on exit). Outside a scope the kernels use torch.get_num_threads().

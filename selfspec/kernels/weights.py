@@ -195,7 +195,7 @@ def release_freed() -> None:
     """Give the heap's freed pages back to the OS (glibc's malloc_trim; elsewhere nothing).
     A load allocates and frees chunks of rows between its long-lived weights, and glibc keeps
     the freed ones resident once its mmap threshold has grown past their size: without this the
-    loader's peak on a 600 MB fp32 model wandered 1.05-1.16x the weights between runs."""
+    loader's peak on a 600 MB fp32 model wandered between runs, well above the weights."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)

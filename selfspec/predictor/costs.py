@@ -104,7 +104,7 @@ class CostModel:
         A sub-layer's cost is one pass of all L of them (attention only, then MLP only) over L,
         each pass timed right after the other kind's: a decode step streams every weight from
         memory, and one layer timed alone, again and again, runs from cache wherever it fits
-        (Gemma 3 270M: 11 MB a layer, 32 MB of L3): that timed its layers at 2 ms of a 12.7 ms
+        (Gemma 3 270M: 11 MB a layer, 32 MB of L3): that timed its layers at a small part of a
         step, left the rest as a per-call "overhead" every draft token was charged, and priced
         the int8 draft token at 0.48 of a step where it takes 0.19."""
         cache = runtime.new_cache(256)
@@ -149,9 +149,9 @@ class CostModel:
         """Why these timings cannot be this machine's, else None. Taken on a busy machine (other
         processes only add time, and the kernels' spinning workers lose whole time slices), a
         table can come out tens of times too high in places: one kept on disk from such a moment
-        once priced the int8 draft's layers at 150x the model's own and auto never drafted. The
+        once priced the int8 draft's layers at a hundred times the model's own and auto never drafted. The
         bounds leave a wide margin: r rows cost at most 2r times one row (the same work r times,
-        memory-bound: ~1.3x at 2 rows in practice), and a quantized sub-layer or a draft head
+        memory-bound: far less at 2 rows in practice), and a quantized sub-layer or a draft head
         at most 4x what the model's own sub-layer or full head costs (they read fewer bytes)."""
         for name, table in (("attention", self.attn), ("MLP", self.mlp), ("head", self.head)):
             one = table.get(1)

@@ -20,7 +20,7 @@ __all__ = ["ServerSettings", "create_app"]
 
 def __getattr__(name):
     if name in __all__:
-        # lazily: create_app needs fastapi/prometheus-client (~0.5 s), the CLI does not
+        # lazily: create_app needs fastapi/prometheus-client (slow to import), the CLI does not
         from selfspec.server.app import ServerSettings, create_app
 
         return {"ServerSettings": ServerSettings, "create_app": create_app}[name]

@@ -315,8 +315,8 @@ class Worker:
 def warmup(model, draft) -> None:
     """Before traffic: one short generation (builds the drafter, touches every kernel), the
     batched pass costs the batch planner reads, and a two-sequence batch, in which the planner
-    times this draft's batched forwards (measured on first use: ~0.3 s on the default model,
-    which the first batched request would otherwise wait)."""
+    times this draft's batched forwards (measured on first use, which the first batched request
+    would otherwise wait)."""
     tok = model.tokenizer
     ids = tok("Hello").input_ids if tok is not None else [0]
     ids = [t for t in ids if 0 <= t < model.spec.vocab_size] or [0]
