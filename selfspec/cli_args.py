@@ -140,9 +140,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "org/name@revision, org/name:file.gguf (default: gemma-3-270m)")
     p.add_argument("--allow-pickle", action="store_true",
                    help="accept pickled .bin weights where a model has no safetensors (unpickling can run code)")
-    p.add_argument("--dtype", type=choice(("auto", "float32", "bfloat16"), "dtype"), default=None,
-                   help="auto (default): a GGUF runs its own quantized blocks on the CPU, other weights bfloat16 where "
-                        "supported; float32 or bfloat16 dequantize a GGUF at load")
+    p.add_argument("--dtype", type=choice(("auto", "native", "float32", "bfloat16"), "dtype"), default=None,
+                   help="auto (default): bfloat16 where supported (a GGUF dequantized at load; its own blocks where "
+                        "only they fit); native: a GGUF's quantized blocks as stored (CPU); float32 or bfloat16")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
 
 

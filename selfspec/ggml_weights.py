@@ -4,10 +4,10 @@ reads, the LM head (tied or not) the same blocks multiplied natively. Activation
 residual stream and the KV cache are fp32 (the fused blocks' fp32 mode), as llama.cpp keeps
 its activations.
 
-`--dtype auto` (the default for a .gguf source) runs a file this way where every matrix is in
-a block type the kernels multiply and the CPU kernels are here; otherwise, and for
-`--dtype bfloat16` / `float32`, the file is dequantized at load as before (gguf_load.py).
-
+`--dtype native` runs a file this way where every matrix is in a block type the kernels multiply
+and the CPU kernels are here (else one line says why not). `--dtype auto` (the default) dequantizes
+a GGUF to bfloat16 where that copy fits in memory, since the bf16 path is the faster one on the
+machines measured so far (benchmarks/RESULTS.md), and runs its blocks where only they fit.
 What cannot run over blocks yet falls back, never computing something else:
   * the greedy head's int8 screen: not made (the full native head decides every argmax);
   * the fused draft step (Runtime.step_token): not used (the drafters' per-layer path);
@@ -17,15 +17,20 @@ What cannot run over blocks yet falls back, never computing something else:
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from selfspec import kernels
 from selfspec.errors import SelfSpecError
 from selfspec.gguf_load import GGUFCheckpoint
 from selfspec.kernels.ggml_gemm import GGMLWeight, why_not
+from selfspec.loading import check_fits, runtime_bytes
 from selfspec.runtime import Runtime
 
 AUTO = ("auto", None)
+NATIVE = "native"
+Q8_0_BYTES = 34 / 32  # bytes per weight of Q8_0, the widest block type run natively (fits-checks size by it)
 _PARTS = {"wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "wo": ("self_attn.o_proj",),
           "w_gate_up": ("mlp.gate_proj", "mlp.up_proj"), "w_down": ("mlp.down_proj",)}
 
@@ -50,10 +55,40 @@ def native_reason(sd, device: str) -> str | None:
     return None
 
 
+def is_gguf(source) -> bool:
+    """Whether a load source names a GGUF file (a path, or a Hub id's `:file.gguf`)."""
+    return isinstance(source, (str, os.PathLike)) and str(source).lower().endswith(".gguf")
+
+
+def native_bytes(spec) -> int:
+    """Bytes a GGUF's blocks take at most in memory (every matrix sized as Q8_0)."""
+    return int(runtime_bytes(spec, torch.int8) * Q8_0_BYTES)
+
+
+def fitting(source, dtype, spec, torch_dtype: torch.dtype, device: str):
+    """What a model's weights will run as, decided from its config before any is read: `dtype`,
+    or NATIVE where auto's dequantized copy of a GGUF cannot fit but its blocks can; a one-line
+    SelfSpecError (loading.check_fits) where nothing fits."""
+    if dtype == NATIVE:
+        check_fits(native_bytes(spec), device, f"{source} on its own blocks")
+        return dtype
+    screened = str(device) == "cpu" and kernels.available() and not spec.final_logit_softcap
+    try:
+        check_fits(runtime_bytes(spec, torch_dtype, screened), device, f"{source} in {str(torch_dtype).removeprefix('torch.')}")
+    except SelfSpecError:
+        if dtype not in AUTO or not is_gguf(source):
+            raise
+        check_fits(native_bytes(spec), device, f"{source} (even on its own blocks)")
+        return NATIVE
+    return dtype
+
+
 def runtime(spec, sd, config, dtype, torch_dtype: torch.dtype, device: str) -> Runtime:
-    """The runtime of a loaded source: native blocks for a GGUF under --dtype auto where it can
-    (GGMLRuntime), else Runtime.from_state_dict in torch_dtype."""
-    if dtype in AUTO and native_reason(sd, device) is None:
+    """The runtime of a loaded source: a GGUF's own blocks under --dtype native (GGMLRuntime),
+    else Runtime.from_state_dict in torch_dtype."""
+    if dtype == NATIVE:
+        if (why := native_reason(sd, device)) is not None:
+            raise SelfSpecError(f"this model's blocks cannot run as stored here ({why}); --dtype bfloat16 dequantizes them")
         return GGMLRuntime.from_gguf(spec, sd, config)
     return Runtime.from_state_dict(spec, sd, config, torch_dtype, device)
 

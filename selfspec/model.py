@@ -29,7 +29,7 @@ from selfspec.engine import GenerationResult, StreamEvent, generate
 from selfspec.errors import SelfSpecError, unknown_choice
 from selfspec.grammar import grammar_matcher
 from selfspec.greedy_head import screened_head
-from selfspec.loading import ALIASES, check_fits, load_source, resolve_tokenizer, runtime_bytes
+from selfspec.loading import ALIASES, load_source, resolve_tokenizer
 from selfspec.logprobs import TokenLogprob, scored_prompt
 from selfspec.predictor.costs import CostModel
 from selfspec.processors import Processing
@@ -60,12 +60,14 @@ def default_dtype(device: str) -> str:
 
 
 def resolve_dtype(dtype, device: str) -> torch.dtype:
-    if dtype in ggml_weights.AUTO:  # auto: a GGUF runs its own blocks where it can (ggml_weights.runtime), else this
+    if dtype in ggml_weights.AUTO:  # auto: a GGUF dequantized where that fits, else its blocks (load)
         dtype = default_dtype(device)
+    if dtype == ggml_weights.NATIVE:  # a GGUF's blocks as stored: fp32 activations (ggml_weights.py)
+        return torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in _DTYPES:
-        raise SelfSpecError(f"unsupported dtype {dtype!r}; choose auto, float32 or bfloat16")
+        raise SelfSpecError(f"unsupported dtype {dtype!r}; choose auto, native, float32 or bfloat16")
     return _DTYPES[dtype]
 
 
@@ -429,19 +431,17 @@ def load(
     chat_template: a Jinja file, a built-in name or a Jinja string for chat prompts (default:
     the tokenizer's own, else the built-in template of the model's family; see
     SelfSpecModel.set_chat_template). allow_pickle: accept pickled .bin weights where a model
-    has no safetensors (unpickling can run code). A model whose weights cannot fit in the
-    memory left is refused before they are read."""
+    has no safetensors (unpickling can run code). What cannot fit is refused before it is read."""
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     if chat_template is not None:
         chat_templates.resolve(chat_template)  # a bad name or file fails before the weights load
+    run = [dtype]  # what the weights run as: --dtype, or native where auto's dequantized copy cannot fit
     def fits(config) -> None:  # before any weight is read, or downloaded: refuse what cannot fit
-        s = ModelSpec.from_hf_config(config)
-        screened = device == "cpu" and kernels.available() and not s.final_logit_softcap
-        check_fits(runtime_bytes(s, torch_dtype, screened), device, f"{source} in {str(torch_dtype).removeprefix('torch.')}")
+        run[0] = ggml_weights.fitting(source, dtype, ModelSpec.from_hf_config(config), torch_dtype, device)
     sd, config, tok, name = load_source(source, tokenizer, allow_pickle=allow_pickle, fits=fits)
     spec = ModelSpec.from_hf_config(config)
-    runtime = ggml_weights.runtime(spec, sd, config, dtype, torch_dtype, device)  # a GGUF's own blocks under auto
+    runtime = ggml_weights.runtime(spec, sd, config, run[0], torch_dtype, device)
     del sd
     runtime.warm_up()
     model = SelfSpecModel(runtime, resolve_tokenizer(tok), name, chat_template,

@@ -85,7 +85,7 @@ N_NEW = 24
 def native(tmp_path_factory):
     hf = helpers.build_hf("gemma3", seed=5, num_layers=4, hidden_size=256, intermediate_size=512, head_dim=64)
     path = write_gguf(hf, tmp_path_factory.mktemp("gguf") / "mix.gguf", Q.Q8_0, _MIX)
-    model = selfspec.load(path, tokenizer=helpers.word_tokenizer())
+    model = selfspec.load(path, tokenizer=helpers.word_tokenizer(), dtype="native")
     assert isinstance(model.runtime, GGMLRuntime) and model.runtime.numerics == "cpu-ggml"
     return model, path
 
@@ -141,13 +141,34 @@ def test_dtype_bfloat16_keeps_the_dequantized_path(native):
     assert ((a - b).norm() / b.norm()).item() < 0.1
 
 
-def test_auto_falls_back_to_dequantized_where_blocks_cannot_run(native, tmp_path):
+def test_auto_dequantizes_where_that_fits_and_runs_blocks_where_only_they_fit(native, monkeypatch):
     _, path = native
-    assert isinstance(selfspec.load(path, tokenizer=helpers.word_tokenizer(), dtype="auto").runtime, GGMLRuntime)
+    model = selfspec.load(path, tokenizer=helpers.word_tokenizer())  # auto, the default
+    assert not isinstance(model.runtime, GGMLRuntime) and model.runtime.dtype == torch.bfloat16
+    from selfspec import ggml_weights, loading
+    spec = model.spec
+    blocks, bf16 = ggml_weights.native_bytes(spec), loading.runtime_bytes(spec, torch.bfloat16)
+    assert blocks < bf16
+    monkeypatch.setattr(loading, "available_memory", lambda device="cpu": (blocks + bf16) // 2)
+    small = selfspec.load(path, tokenizer=helpers.word_tokenizer())
+    assert isinstance(small.runtime, GGMLRuntime)
+    prompt = helpers.prompts(n=1)[0]
+    ar = dict(max_new_tokens=8, strategy="autoregressive")
+    assert small.generate(prompt, **ar).token_ids == native[0].generate(prompt, **ar).token_ids
+    with pytest.raises(selfspec.SelfSpecError, match="cannot fit"):  # explicit bfloat16: refused, not switched
+        selfspec.load(path, tokenizer=helpers.word_tokenizer(), dtype="bfloat16")
+    monkeypatch.setattr(loading, "available_memory", lambda device="cpu": blocks // 2)
+    with pytest.raises(selfspec.SelfSpecError, match="even on its own blocks"):
+        selfspec.load(path, tokenizer=helpers.word_tokenizer())
+
+
+def test_native_refuses_blocks_it_cannot_run_in_one_line(tmp_path):
     hf = helpers.build_hf("llama", seed=1)
     f16 = write_gguf(hf, tmp_path / "f16.gguf", Q.F16)  # F16 matrices: not multiplied as blocks (yet)
     from selfspec import ggml_weights, gguf_load
     assert "F16" in ggml_weights.native_reason(gguf_load.GGUFCheckpoint(gguf_load.GGUFFile(f16)), "cpu")
+    with pytest.raises(selfspec.SelfSpecError, match="cannot run as stored"):
+        selfspec.load(f16, tokenizer=helpers.word_tokenizer(), dtype="native")
     model = selfspec.load(f16, tokenizer=helpers.word_tokenizer())
     assert not isinstance(model.runtime, GGMLRuntime)
     prompt = helpers.prompts(n=1)[0]
