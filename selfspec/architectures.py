@@ -127,8 +127,51 @@ class ModelSpec:
 
 
 def rotary_tables(config, spec: ModelSpec, length: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """cos/sin tables [length, head_dim] (fp32) per rope kind, computed by the model's own
-    transformers rotary module so every RoPE variant (llama3, yarn, linear...) is exactly HF's."""
+    """cos/sin tables [length, head_dim] (fp32) per rope kind, exactly what the model's own
+    transformers rotary module computes for every RoPE variant (llama3, yarn, linear...): its
+    frequencies come from the same functions (transformers.modeling_rope_utils), and its forward
+    is three elementwise ops, done here the same way. Not importing the modeling module keeps
+    transformers' modeling_utils (about a second and 120 MB at every start) out of a load.
+    Frequencies that depend on the sequence (dynamic, longrope) are the module's own."""
+    if getattr(config, "text_config", None) is not None and spec.model_type == "gemma3_text":
+        config = config.text_config
+    kinds = sorted(set(spec.rope_kinds))
+    params = {k: _rope_params(config, k) for k in kinds}
+    if any(p is None or p.get("rope_type", "default") in _SEQ_DEPENDENT for p in params.values()):
+        return _module_tables(config, spec, length)
+    pos = torch.arange(length).float()[:, None]  # [T, 1]
+    tables = {}
+    for kind in kinds:
+        inv_freq, scaling = _inv_freq(config, params[kind], None if kind == "default" else kind)
+        freqs = pos * inv_freq.float()[None]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        tables[kind] = ((emb.cos() * scaling).float(), (emb.sin() * scaling).float())
+    return tables
+
+
+_SEQ_DEPENDENT = ("dynamic", "longrope")  # their modules update the frequencies from the positions
+
+
+def _rope_params(config, kind: str) -> dict | None:
+    p = getattr(config, "rope_parameters", None)
+    if kind != "default":  # per layer type (Gemma 3)
+        p = p.get(kind) if isinstance(p, dict) else None
+    return p if isinstance(p, dict) else None
+
+
+def _inv_freq(config, params: dict, layer_type: str | None) -> tuple[torch.Tensor, float]:
+    """(inv_freq [D/2], attention scaling) as the rotary module's __init__ makes them."""
+    rope_type = params.get("rope_type", "default")
+    if rope_type != "default":
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        return ROPE_INIT_FUNCTIONS[rope_type](config, None, layer_type=layer_type)
+    base = params["rope_theta"]  # the modules' compute_default_rope_parameters
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+
+
+def _module_tables(config, spec: ModelSpec, length: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The tables from the model's transformers rotary module itself."""
     # only the loaded architecture's modeling module: importing all five costs seconds at every start
     if spec.model_type == "gemma3_text":
         from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding as Rotary  # see above
@@ -140,8 +183,6 @@ def rotary_tables(config, spec: ModelSpec, length: int) -> dict[str, tuple[torch
         from transformers.models.mistral.modeling_mistral import MistralRotaryEmbedding as Rotary  # see above
     else:
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding as Rotary  # see above
-    if getattr(config, "text_config", None) is not None and spec.model_type == "gemma3_text":
-        config = config.text_config
     rotary = Rotary(config)
     pos = torch.arange(length)[None]
     probe = torch.zeros(1, dtype=torch.float32)

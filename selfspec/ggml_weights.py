@@ -154,6 +154,10 @@ class GGMLRuntime(Runtime):
         w = self.layers[i][name]
         return w.dequantize() if isinstance(w, GGMLWeight) else w
 
+    def weight_columns(self, i: int, name: str, n: int) -> torch.Tensor:
+        w = self.layers[i][name]
+        return w.columns(torch.arange(min(n, w.out_features))) if isinstance(w, GGMLWeight) else w[:, :n]
+
     def step_token(self, *args, **kwargs):
         return None  # the fused draft step reads a bf16/fp32 embedding: the per-layer path instead
 

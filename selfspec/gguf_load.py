@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
 from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
 from selfspec.architectures import ModelSpec
@@ -33,7 +33,8 @@ from selfspec.kernels import ggml
 # the file's general.architecture -> transformers' model_type
 ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 _PERMUTED_QK = ("llama",)  # llama.cpp's converter permutes q/k rows for these (Mistral is stored as llama)
-_TOKENIZER_VERSION = 1
+_TOKENIZER_VERSION = 2  # 2: read back by the generic fast tokenizer, the class's settings in the marker
+_KEPT = ("padding_side", "truncation_side", "clean_up_tokenization_spaces", "model_max_length", "chat_template")  # not in tokenizer.json
 _MARKER = "selfspec-tokenizer.json"
 
 # per layer: runtime (HF) name -> llama.cpp name
@@ -238,18 +239,24 @@ def tokenizer_dir(f: GGUFFile, cache: Path) -> Path:
     return cache / "gguf-tokenizers" / _header_key(f)
 
 
-def _tokenizer_cached(d: Path) -> bool:
+def _cached_init(d: Path) -> dict | None:
+    """The converted tokenizer's own settings where `d` holds one of this version, else None."""
     try:
-        return json.loads((d / _MARKER).read_text()).get("version") == _TOKENIZER_VERSION
-    except (OSError, ValueError, AttributeError):
-        return False
+        marker = json.loads((d / _MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return marker.get("init") if isinstance(marker, dict) and marker.get("version") == _TOKENIZER_VERSION else None
 
 
 def load_tokenizer(path: Path, d: Path):
-    """The file's tokenizer (and chat template), from the cache where converted before."""
+    """The file's tokenizer (and chat template), from the cache where converted before: its
+    tokenizer.json (the whole pipeline, as the converted class saved it) read by the generic
+    fast tokenizer, with the settings the class set kept in the marker. The converted class
+    (GemmaTokenizer, ...) would rebuild its model from the vocabulary and merges in Python,
+    which for a 262k vocabulary doubles the memory and the time of the load."""
     try:
-        if _tokenizer_cached(d):
-            return AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+        if (init := _cached_init(d)) is not None:  # the constructor: from_pretrained costs as much again
+            return PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"), **init)
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     except Exception as e:  # transformers raises many types for a bad file or cache
         raise SelfSpecError(f"cannot load the tokenizer of {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
@@ -258,7 +265,9 @@ def load_tokenizer(path: Path, d: Path):
         d.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{d.name}.tmp-", dir=d.parent))
         tok.save_pretrained(str(tmp))
-        (tmp / _MARKER).write_text(json.dumps({"version": _TOKENIZER_VERSION, "source": str(path)}))
+        init = {**{k: str(v) for k, v in tok.special_tokens_map.items() if isinstance(v, str)},
+                **{k: getattr(tok, k) for k in _KEPT if getattr(tok, k, None) is not None}}
+        (tmp / _MARKER).write_text(json.dumps({"version": _TOKENIZER_VERSION, "source": str(path), "init": init}))
         if d.exists():
             shutil.rmtree(d)
         os.replace(tmp, d)

@@ -245,6 +245,10 @@ class Runtime:
         w = self.layers[i][name]
         return w.unpack() if isinstance(w, kernels.PackedWeight) else w
 
+    def weight_columns(self, i: int, name: str, n: int) -> torch.Tensor:
+        """The first n columns of weight(i, name): [in, n] (a probe: fingerprints)."""
+        return self.weight(i, name)[:, :n]
+
     def prepare_weight(self, w: torch.Tensor):
         """A [in, out] weight in the layout self._mm is fastest with (packed for the kernel:
         contiguous 64-column tiles, bf16 pairs for VDPBF16PS where the CPU has it)."""

