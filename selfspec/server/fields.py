@@ -52,7 +52,7 @@ def parse_stop_token_ids(ids, vocab_size: int) -> tuple[int, ...]:
     if bad_ids:
         raise bad(f"Stop token id {bad_ids[0]} is outside the vocabulary (size {vocab_size}).", param="stop_token_ids",
                   code="invalid_value")
-    return tuple(sorted(set(ids)))
+    return tuple(ids)  # sorted and deduplicated by GenerationConfig
 
 
 def parse_sampling(body: dict) -> dict:
@@ -96,7 +96,7 @@ def parse_stop(stop, max_stop: int) -> tuple[str, ...]:
         raise bad("'stop' must be a string or a list of strings.", param="stop", code="invalid_type")
     if len(stop) > max_stop:
         raise bad(f"At most {max_stop} stop strings are allowed.", param="stop", code="invalid_value")
-    return tuple(s for s in stop if s)
+    return tuple(stop)  # empty strings dropped by GenerationConfig
 
 
 def parse_coupling(ext, default: str):
