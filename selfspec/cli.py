@@ -1,5 +1,6 @@
 """Command line: `selfspec <command>`. Flags map one-to-one onto the config dataclasses
-(DraftConfig, SamplingConfig, GenerationConfig) so defaults live in one place.
+(DraftConfig, SamplingConfig, GenerationConfig) so defaults live in one place; `generate`
+builds its request with the library's own builder (request.py) from them.
 
 Errors a user can cause print one line and exit with status 2; nothing prints a traceback
 unless SELFSPEC_DEBUG=1.
@@ -27,16 +28,16 @@ from selfspec.cli_args import (
     add_model_args,
     check_before_loading,
     choice,
-    config_kwargs,
-    draft_config_from_args,
-    grammar_from_args,
     load_model,
+    request_options,
+    warn_losing_profile,
 )
-from selfspec.config import PROCESSOR_FIELDS, GenerationConfig, SamplingConfig
+from selfspec.config import GenerationConfig, SamplingConfig
 from selfspec.errors import SelfSpecError
 from selfspec import hub
 from selfspec.loading import ALIASES, DEFAULT_MODEL, available_memory
 from selfspec.profiles import builtin_profiles
+from selfspec.request import Request, configs
 from selfspec.search import cli as search_cli
 from selfspec.server import cli as server_cli
 from selfspec.tools import cli as tools_cli
@@ -52,49 +53,34 @@ def cmd_generate(args) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt or not prompt.strip():
         raise SelfSpecError("the prompt is empty")
-    sampling = SamplingConfig(**config_kwargs(args, SamplingConfig), grammar=grammar_from_args(args))  # validate before loading
-    gen = GenerationConfig(**{k: (tuple(v) if k == "stop" else v) for k, v in config_kwargs(args, GenerationConfig).items()})
-    check_before_loading(args)
     chat = bool(args.chat) or args.chat_template is not None  # naming a template asks for chat
+    options = request_options(args, chat)
+    configs(**options)  # every option checked before the weights load (the draft as far as it can be without them)
+    check_before_loading(args)
     model = load_model(args)
-    draft = draft_config_from_args(model, args)
-    on_event = None
-    if not args.json and args.stream_style != "none":
-        console = Console(highlight=False, soft_wrap=True)
-        speculative = args.stream_style == "speculative"
-        if speculative:
-            Console(stderr=True, highlight=False).print(Text.assemble(
-                "[", ("green", "green"), ": drafted tokens the full model accepted; ", ("bold", "bold"),
-                ": tokens the full model computed itself]"), soft_wrap=True)
+    stream, speculative = not args.json and args.stream_style != "none", args.stream_style == "speculative"
+    console = Console(highlight=False, soft_wrap=True)
 
-        def on_event(ev):
-            if ev.text:
-                style = ("green" if ev.drafted else "bold") if speculative else None
-                console.print(Text(ev.text, style=style), end="")
+    def on_event(ev):
+        if ev.text:
+            style = ("green" if ev.drafted else "bold") if speculative else None
+            console.print(Text(ev.text, style=style), end="")
 
-    result = model.generate(
-        prompt,
-        max_new_tokens=gen.max_new_tokens,
-        stop=list(gen.stop),
-        stop_token_ids=list(gen.stop_token_ids),
-        logprobs=gen.logprobs,
-        chat=chat,
-        temperature=sampling.temperature,
-        top_k=sampling.top_k,
-        top_p=sampling.top_p,
-        seed=sampling.seed,
-        coupling=sampling.coupling,
-        **{f: getattr(sampling, f) for f in PROCESSOR_FIELDS},
-        draft=draft,
-        on_event=on_event,
-    )
+    request = Request.build(model, prompt, on_event=on_event if stream else None, **options)
+    warn_losing_profile(args)
+    draft = request.draft
+    if stream and speculative:
+        Console(stderr=True, highlight=False).print(Text.assemble(
+            "[", ("green", "green"), ": drafted tokens the full model accepted; ", ("bold", "bold"),
+            ": tokens the full model computed itself]"), soft_wrap=True)
+    result = model.run(request)
     if args.json:
         out = result.to_dict()
         out["strategy"] = draft.to_dict()
         out["memory"] = model.memory()
         print(json.dumps(out))
     else:
-        if on_event is None:
+        if not stream:
             print(result.text, end="")
         print()
         s = result.stats

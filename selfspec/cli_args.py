@@ -13,7 +13,7 @@ from dataclasses import MISSING, fields
 
 from selfspec import strategies
 from selfspec.chat_templates import names, resolve
-from selfspec.config import COUPLINGS, DraftConfig, Grammar
+from selfspec.config import COUPLINGS, DraftConfig, GenerationConfig, Grammar, SamplingConfig
 from selfspec.errors import SelfSpecError, unknown_choice
 from selfspec.grammar import compile_grammar
 from selfspec.loading import peek_shape
@@ -188,11 +188,24 @@ def check_before_loading(args) -> None:
 
 def draft_config_from_args(model, args) -> DraftConfig:
     draft = model.draft_config(profile=args.profile, **config_kwargs(args, DraftConfig))
+    warn_losing_profile(args)
+    return draft
+
+
+def warn_losing_profile(args) -> None:
+    """A warning when --profile names a profile that measured slower than plain decoding."""
     if args.profile is not None:
         note = losing_note(load_profile(args.profile))
         if note:
             print(f"selfspec: warning: {note}", file=sys.stderr)
-    return draft
+
+
+def request_options(args, chat: bool) -> dict:
+    """The generation flags as the request builder's keywords (request.configs), one to one:
+    GenerationConfig's, SamplingConfig's and DraftConfig's fields, --profile, and the grammar
+    flags as grammar= (read and compiled here)."""
+    return {**config_kwargs(args, GenerationConfig), **config_kwargs(args, SamplingConfig), "grammar": grammar_from_args(args),
+            **config_kwargs(args, DraftConfig), "profile": args.profile, "chat": chat}
 
 
 def add_grammar_args(p: argparse.ArgumentParser) -> None:

@@ -101,11 +101,11 @@ class SamplingConfig:
         if self.coupling not in COUPLINGS:
             raise ConfigError(unknown_choice("coupling", self.coupling, COUPLINGS), "coupling")
         if not (self.temperature >= 0.0) or self.temperature != self.temperature:
-            raise SelfSpecError(f"temperature must be >= 0, got {self.temperature}")
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}", "temperature")
         if self.top_k is not None and self.top_k < 1:
-            raise SelfSpecError(f"top_k must be a positive integer, got {self.top_k}")
+            raise ConfigError(f"top_k must be a positive integer, got {self.top_k}", "top_k")
         if self.top_p is not None and not (0.0 < self.top_p <= 1.0):
-            raise SelfSpecError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ConfigError(f"{name} must be in [-2, 2], got {getattr(self, name)}", name)
@@ -306,7 +306,7 @@ class GenerationConfig:
         object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
         object.__setattr__(self, "stop_token_ids", _sorted_set(self.stop_token_ids))
         if self.max_new_tokens < 1:
-            raise SelfSpecError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens}")
+            raise ConfigError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens}", "max_new_tokens")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ConfigError(f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs}", "logprobs")
         if any(t < 0 for t in self.stop_token_ids):

@@ -3,6 +3,7 @@
     m = selfspec.load("gemma-3-270m", dtype="float32")
     out = m.generate("def f(x):", max_new_tokens=64, strategy="early-exit", exit_layer=12)
     out.text, out.token_ids, out.stats
+    out = m.run(selfspec.Request.build(m, "def f(x):", max_new_tokens=64))   # the same, as one request object
 """
 
 from __future__ import annotations
@@ -12,21 +13,21 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict
 
 import torch
 
-from selfspec import chat_templates, ggml_weights, kernels, strategies
+from selfspec import chat_templates, ggml_weights, kernels
 from selfspec.architectures import ModelSpec
-from selfspec.batch import BatchEngine, BatchRequest
+from selfspec.batch import BatchEngine
 from selfspec.batch.planner import kept_costs
-from selfspec.config import PROCESSOR_FIELDS, DraftConfig, GenerationConfig, Grammar, SamplingConfig
+from selfspec.config import DraftConfig, GenerationConfig, SamplingConfig
 from selfspec.drafters import Drafter, build
 from selfspec.drafters.factory import runs_here
-from selfspec.engine import GenerationResult, StreamEvent, generate
-from selfspec.errors import SelfSpecError, unknown_choice
+from selfspec.engine import GenerationResult, generate
+from selfspec.errors import SelfSpecError
 from selfspec.grammar import grammar_matcher
 from selfspec.greedy_head import screened_head
 from selfspec.loading import ALIASES, load_source, resolve_tokenizer
@@ -35,12 +36,12 @@ from selfspec.predictor.costs import CostModel
 from selfspec.processors import Processing
 from selfspec.profiles import (Profile, best_options, builtin_profiles, checkpoint_repo, installed_profile, load_profile,
                                remember_repo)
+from selfspec.request import Request, check_draft_options
 from selfspec.resources import DraftResources
 from selfspec.runtime import Runtime
 from selfspec.predictor.options import calibrated_options
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-_DRAFT_FIELDS = {f.name for f in fields(DraftConfig)}
 _log = logging.getLogger("selfspec")
 
 
@@ -213,21 +214,23 @@ class SelfSpecModel:
                 ids = self.chat_ids([{"role": "user", "content": prompt}]) if prompt.strip() else []
             else:
                 ids = self.tokenizer(prompt).input_ids if prompt else []
-        if not ids or (isinstance(prompt, str) and not prompt.strip()):
+        if isinstance(prompt, str) and not prompt.strip():
+            raise SelfSpecError("the prompt is empty")
+        self.check_prompt(ids)
+        return ids
+
+    def check_prompt(self, ids: Sequence[int]) -> None:
+        """Token ids this model can continue: some, each in its vocabulary, fewer than its context."""
+        if not ids:
             raise SelfSpecError("the prompt is empty")
         bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
         if bad:
             raise SelfSpecError(f"token id {bad[0]} is outside the vocabulary (size {self.spec.vocab_size})")
         if len(ids) >= self.context_length:
             raise SelfSpecError(f"the prompt has {len(ids)} tokens; this model's context is {self.context_length}")
-        return ids
 
     def draft_config(self, strategy: str | None = None, profile: str | Profile | None = None, **options) -> DraftConfig:
-        unknown = set(options) - _DRAFT_FIELDS
-        if unknown:
-            raise SelfSpecError(f"unknown option(s): {', '.join(sorted(unknown))}")
-        if strategy is not None and not strategies.known(strategy):
-            raise SelfSpecError(unknown_choice("strategy", strategy, strategies.names()))
+        check_draft_options(strategy, options)
         given = {k: v for k, v in options.items() if v is not None}
         if profile is None:
             if strategy is not None:  # named: its defaults for this model, refined by the options given
@@ -302,39 +305,24 @@ class SelfSpecModel:
         """Measured primitive costs of this model's runtime (predictor/costs.py)."""
         return self.resources.cost_model(heads=tuple((n, None) for n in draft_vocabs))
 
-    def generate(
-        self,
-        prompt: str | list[int],
-        *,
-        max_new_tokens: int = GenerationConfig.max_new_tokens,
-        temperature: float = SamplingConfig.temperature,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        seed: int | None = None,
-        coupling: str = SamplingConfig.coupling,
-        stop: list[str] | str | None = None,
-        stop_token_ids: list[int] | None = None,
-        logprobs: int | None = None,
-        chat: bool = False,
-        strategy: str | None = None,
-        profile: str | Profile | None = None,
-        draft: DraftConfig | None = None,
-        on_event=None,
-        **options,
-    ) -> GenerationResult:
-        """options: the logits processors (SamplingConfig's presence_penalty, frequency_penalty,
-        repetition_penalty, min_p, logit_bias, grammar; json_schema=dict|str for a JSON-schema
-        grammar) and the draft options (DraftConfig's fields). logprobs=N records every new
-        token's log-probability and its N most likely alternatives (result.logprobs)."""
-        gen, extra, cfg = self._request_options(max_new_tokens, stop, stop_token_ids, logprobs, chat, strategy, profile, draft,
-                                                options)
-        sampling = SamplingConfig(temperature=float(temperature), top_k=top_k, top_p=top_p, seed=seed, coupling=coupling, **extra)
-        ids = self.encode(prompt, chat)
-        gen = self._within_context(gen, ids)
+    def generate(self, prompt: str | list[int] | list[dict], **options) -> GenerationResult:
+        """`prompt` (text, token ids, or with chat=True one user turn or a list of messages)
+        continued: `self.run(Request.build(self, prompt, **options))`. options: request.configs'
+        keywords, each defaulting to its config dataclass's (max_new_tokens, temperature, top_k,
+        top_p, seed, coupling, stop, stop_token_ids, logprobs, chat; strategy and the draft
+        options, profile, or draft=DraftConfig; the logits processors and json_schema=dict|str),
+        and on_event(event) to stream. logprobs=N records every new token's log-probability and
+        its N most likely alternatives (result.logprobs)."""
+        return self.run(Request.build(self, prompt, **options))
+
+    def run(self, request: Request) -> GenerationResult:
+        """Generate one request (request.py), as fitted to this model (Request.fitted)."""
+        r = request.fitted(self)
+        ids = list(r.prompt_ids)
         with self.computing():  # one generation at a time (class doc)
-            drafter = self.drafter(cfg)
-            return generate(self.runtime, drafter, ids, gen, sampling, self.tokenizer, self.eos_token_ids, on_event,
-                            self.processing(sampling, gen, ids))
+            drafter = self.drafter(r.draft)
+            return generate(self.runtime, drafter, ids, r.gen, r.sampling, self.tokenizer, self.eos_token_ids, r.on_event,
+                            self.processing(r.sampling, r.gen, ids))
 
     def processing(self, sampling: SamplingConfig, gen: GenerationConfig, prompt_ids: list[int]) -> Processing | None:
         """A generation's logits processors and logprobs (processors.py), None when it has neither."""
@@ -351,63 +339,18 @@ class SelfSpecModel:
         with self.computing():
             return scored_prompt(self.runtime, ids, top)
 
-    def _request_options(self, max_new_tokens, stop, stop_token_ids, logprobs, chat, strategy, profile, draft,
-                         options) -> tuple[GenerationConfig, dict, DraftConfig]:
-        """generate / generate_batch's options as configs: (GenerationConfig, the processors'
-        SamplingConfig fields, DraftConfig: given, or from strategy/profile/draft options)."""
-        gen = GenerationConfig(max_new_tokens=max_new_tokens, stop=tuple(stop) if isinstance(stop, (list, tuple)) else (stop or ()),
-                               chat=chat, stop_token_ids=tuple(stop_token_ids or ()), logprobs=logprobs)
-        extra = {k: options.pop(k) for k in list(options) if k in PROCESSOR_FIELDS}
-        if "json_schema" in options:
-            schema = options.pop("json_schema")
-            extra["grammar"] = Grammar("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
-        if draft is not None and (strategy is not None or profile is not None or options):
-            raise SelfSpecError("pass either draft=DraftConfig(...) or strategy/profile/draft options, not both")
-        return gen, extra, draft if draft is not None else self.draft_config(strategy, profile, **options)
-
-    def _within_context(self, gen: GenerationConfig, ids: list[int]) -> GenerationConfig:
-        """gen with its budget cut to what the context leaves after the prompt."""
-        budget = min(gen.max_new_tokens, self.context_length - len(ids))
-        return gen if budget == gen.max_new_tokens else replace(gen, max_new_tokens=budget)
-
-    def generate_batch(
-        self,
-        prompts: list,
-        *,
-        max_new_tokens: int = GenerationConfig.max_new_tokens,
-        temperature: float = SamplingConfig.temperature,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        seed: int | list[int | None] | None = None,
-        coupling: str = SamplingConfig.coupling,
-        stop: list[str] | str | None = None,
-        stop_token_ids: list[int] | None = None,
-        logprobs: int | None = None,
-        chat: bool = False,
-        strategy: str | None = None,
-        profile: str | Profile | None = None,
-        draft: DraftConfig | None = None,
-        on_event=None,
-        max_batch: int = 16,
-        prefill_chunk: int | None = None,
-        **options,
-    ) -> list[GenerationResult]:
+    def generate_batch(self, prompts: list, *, max_batch: int = 16, prefill_chunk: int | None = None,
+                       **options) -> list[GenerationResult]:
         """generate() for many prompts at once, through one continuous batch (selfspec.batch):
         the same options, applied to every prompt (`seed` may be a list, one per prompt;
-        `on_event(index, event)` streams). result[i] has exactly the tokens
-        generate(prompts[i], ...) would give, greedy or with the same seed."""
-        gen, extra, cfg = self._request_options(max_new_tokens, stop, stop_token_ids, logprobs, chat, strategy, profile, draft,
-                                                options)
-        seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(prompts)
-        if len(seeds) != len(prompts):
-            raise SelfSpecError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-        requests = []
-        for i, (prompt, s) in enumerate(zip(prompts, seeds)):
-            ids = self.encode(prompt, chat)
-            g = self._within_context(gen, ids)
-            sampling = SamplingConfig(temperature=float(temperature), top_k=top_k, top_p=top_p, seed=s, coupling=coupling, **extra)
-            cb = None if on_event is None else (lambda e, i=i: on_event(i, e))
-            requests.append(BatchRequest(ids, g, sampling, cfg, cb))
+        `on_event(index, event)` streams): `self.run_batch(Request.batch(self, prompts, **options))`.
+        result[i] has exactly the tokens generate(prompts[i], ...) would give, greedy or with the
+        same seed."""
+        return self.run_batch(Request.batch(self, prompts, **options), max_batch=max_batch, prefill_chunk=prefill_chunk)
+
+    def run_batch(self, requests: list[Request], *, max_batch: int = 16, prefill_chunk: int | None = None) -> list[GenerationResult]:
+        """Many requests through one continuous batch; result[i] has exactly the tokens
+        run(requests[i]) gives. A request that fails raises here (the others went on)."""
         with self.computing():  # one batch (or generation) at a time
             engine = BatchEngine(self, max_batch=max_batch, prefill_chunk=prefill_chunk)
             handles = [engine.submit(r) for r in requests]

@@ -25,9 +25,10 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "server")]  # common.py, server_load.py
 
 import selfspec  # noqa: E402
-from selfspec.batch import BatchEngine, BatchRequest  # noqa: E402
+from selfspec.batch import BatchEngine  # noqa: E402
 from selfspec.config import GenerationConfig, SamplingConfig  # noqa: E402
 from selfspec.errors import SelfSpecError  # noqa: E402
+from selfspec.request import Request  # noqa: E402
 from selfspec.server.worker import warmup  # noqa: E402
 
 from server_load import PROMPTS  # noqa: E402
@@ -77,8 +78,8 @@ def run(model, draft, clients: int, rounds: int, max_new: int, chunk: int | None
             ids = model.encode(PROMPTS[(i * rounds + r) % len(PROMPTS)])
             first: list[float] = []
             t0 = time.perf_counter()
-            handle = engine.submit(BatchRequest(ids, GenerationConfig(max_new_tokens=max_new), SamplingConfig(temperature=0.0),
-                                                draft, lambda ev: first.append(time.perf_counter()) if not first else None))
+            handle = engine.submit(Request(ids, GenerationConfig(max_new_tokens=max_new), SamplingConfig(temperature=0.0),
+                                           draft, lambda ev: first.append(time.perf_counter()) if not first else None))
             handle.wait()
             with lock:
                 requests.append({"round": r, "prompt": len(ids), "t0": t0, "ttft": (first[0] - t0) if first else float("nan")})

@@ -1,9 +1,9 @@
 """Continuous batching: many generations share every forward pass.
 
     engine = BatchEngine(model, max_batch=8)
-    h = engine.submit(BatchRequest(ids, gen, sampling, draft))   # any thread
-    while engine.step(): ...                                       # one driving thread
-    h.wait().token_ids                                             # == model.generate(...)'s
+    h = engine.submit(Request(ids, gen, sampling, draft))   # any thread (request.py)
+    while engine.step(): ...                                  # one driving thread
+    h.wait().token_ids                                        # == model.run(the request)'s
 
 A step (sequences join and leave only between steps):
   1. admit queued requests up to max_batch (each gets its own KV cache, sized as solo: a
@@ -41,10 +41,11 @@ import torch
 
 from selfspec.batch.passes import Part, draft_depth, exit_states, signature, staged_forward, verify_part
 from selfspec.batch.planner import BatchCosts, CostScale, kept_costs, plan_with_probes, predicted, prompt_group
-from selfspec.batch.sequence import BatchHandle, BatchRequest, Sequence
+from selfspec.batch.sequence import BatchHandle, Sequence
 from selfspec.cache import CachePool
 from selfspec.config import MAX_SPECULATIONS
 from selfspec.drafters.base import Draft
+from selfspec.request import Request
 from selfspec.step import VerifyOutput, settle, speculative_step
 
 PREFILL_ROWS_PER_CORE = 32  # default prefill chunk per CPU core (see default_prefill_chunk)
@@ -100,8 +101,11 @@ class BatchEngine:
 
     # ---- the interface -----------------------------------------------------------------
 
-    def submit(self, request: BatchRequest) -> BatchHandle:
-        """Queue a request; its drafter is built (and its options checked) here."""
+    def submit(self, request: Request) -> BatchHandle:
+        """Queue a request, as fitted to the model (Request.fitted: a DraftChoice resolved, the
+        prompt checked, the budget cut to the context); its drafter is built (and its options
+        checked) here."""
+        request = request.fitted(self.model)
         handle = BatchHandle(request, self)
         drafter = self.model.drafter(request.draft)
         with self._lock:

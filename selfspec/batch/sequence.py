@@ -1,5 +1,6 @@
-"""One request inside the batch engine: what was asked (BatchRequest), what the caller holds
-(BatchHandle), and the engine's per-sequence state (Sequence).
+"""One request inside the batch engine: what was asked (a Request, request.py; BatchRequest is
+its old name), what the caller holds (BatchHandle), and the engine's per-sequence state
+(Sequence).
 
 A sequence drafts through its own drafter object, built exactly as `generate` builds it, so
 per-sequence state (thresholds, auto's acceptance counts and back-off, prompt lookup) and the
@@ -23,18 +24,17 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
-from selfspec.config import DraftConfig, GenerationConfig, SamplingConfig
 from selfspec.drafters import AutoDrafter, Drafter, LookupFirstDrafter
 from selfspec.drafters.base import Draft, Step
-from selfspec.engine import GenerationResult, GenerationStats, StreamEvent, _Output, count, recorded, sample_token
+from selfspec.engine import GenerationResult, GenerationStats, _Output, count, recorded, sample_token
 from selfspec.logprobs import TokenLogprob
 from selfspec.lookup import until_eos
 from selfspec.coupling import noise_key
 from selfspec.processors import Processing
+from selfspec.request import Request
 from selfspec.sampling import make_rng
 from selfspec.step import free_draft, step_room
 
@@ -42,20 +42,14 @@ _ids = itertools.count(1)
 COPY_PRIOR = (4.0, 1.0)  # a hot copy's tokens: accepted 0.83-0.87 each on the default model (look_up)
 
 
-@dataclass
-class BatchRequest:
-    prompt_ids: list[int]
-    gen: GenerationConfig = field(default_factory=GenerationConfig)
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    draft: DraftConfig = field(default_factory=lambda: DraftConfig("autoregressive"))
-    on_event: Callable[[StreamEvent], None] | None = None  # called from the thread that steps the engine
+BatchRequest = Request  # its name before the library, the CLI and the server shared one request (request.py)
 
 
 class BatchHandle:
     """What submit() returns: wait() for the result, cancel() to leave the batch (the slot and
     the KV cache are freed at the next step boundary, or at once when the engine is idle)."""
 
-    def __init__(self, request: BatchRequest, engine):
+    def __init__(self, request: Request, engine):
         self.id = next(_ids)
         self.request = request
         self._engine = engine

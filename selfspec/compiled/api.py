@@ -13,6 +13,7 @@ from selfspec.coupling import noise_key
 from selfspec.engine import GenerationResult
 from selfspec.errors import SelfSpecError
 from selfspec.model import load as load_model
+from selfspec.request import Request
 
 _REFUSED = {
     "auto": "auto switches drafting on and off from host measurements; name a strategy (autoregressive, early-exit, layer-skip)",
@@ -90,27 +91,29 @@ class CompiledModel:
     def __getattr__(self, name):
         return getattr(self.model, name)
 
-    def generate(self, prompt, *, max_new_tokens: int = GenerationConfig.max_new_tokens, **kw) -> GenerationResult:
-        return self.generate_batch([prompt], max_new_tokens=max_new_tokens, **kw)[0]
+    def generate(self, prompt, **options) -> GenerationResult:
+        return self.generate_batch([prompt], **options)[0]
 
-    def generate_batch(self, prompts: list, *, max_new_tokens: int = GenerationConfig.max_new_tokens, temperature: float = 0.0,
-                       seed: int | list[int | None] | None = None, coupling: str = SamplingConfig.coupling,
-                       top_k: int | None = None, top_p: float | None = None, stop: list[str] | str | None = None,
-                       stop_token_ids: list[int] | None = None, chat: bool = False, strategy: str | None = None,
-                       draft: DraftConfig | None = None, **options) -> list[GenerationResult]:
+    def generate_batch(self, prompts: list, **options) -> list[GenerationResult]:
         """SelfSpecModel.generate_batch's options that the compiled step computes (api's refusals
         say which it does not); result[i] has the tokens generate(prompts[i], ...) gives here."""
+        return self.run_batch(Request.batch(self.model, prompts, **options))
+
+    def run(self, request: Request) -> GenerationResult:
+        return self.run_batch([request])[0]
+
+    def run_batch(self, requests: list[Request]) -> list[GenerationResult]:
+        """Requests (request.py) in one batch on the compiled backend: one draft configuration for all."""
         m = self.model
-        gen, extra, cfg = m._request_options(max_new_tokens, stop, stop_token_ids, None, chat, strategy, None, draft, options)
-        seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(prompts)
-        if len(seeds) != len(prompts):
-            raise SelfSpecError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-        ids = [m.encode(p, chat) for p in prompts]
-        gens = [m._within_context(gen, i) for i in ids]
-        samplings = [SamplingConfig(temperature=float(temperature), top_k=top_k, top_p=top_p, seed=s, coupling=coupling, **extra)
-                     for s in seeds]
+        rs = [r.fitted(m) for r in requests]
+        if not rs:
+            return []
+        if any(r.on_event is not None for r in rs):
+            raise SelfSpecError("backend compiled: on_event (streaming) is not supported; use the runtime backend")
+        if len({r.draft for r in rs}) > 1:
+            raise SelfSpecError("backend compiled: one draft configuration for the whole batch")
         with m.computing():
-            return generate(m, ids, gens, samplings, cfg)
+            return generate(m, [list(r.prompt_ids) for r in rs], [r.gen for r in rs], [r.sampling for r in rs], rs[0].draft)
 
 
 def load(source="gemma-3-270m", **kw) -> CompiledModel:

@@ -5,7 +5,7 @@
 The implementation lives in one module per job (dependencies run downward):
     settings.py   ServerSettings and the prompt limits derived from it
     errors.py     APIError (OpenAI's error shape) and the cancellation signals
-    parsing.py    request body -> Params, pure functions (tokenized once, off the event loop)
+    parsing.py    request body -> Params (a selfspec.Request each), pure functions (tokenized once, off the event loop)
     metrics.py    Prometheus metrics; each request's one recorded outcome
     worker.py     admission, the engine thread driving one continuous batch (selfspec.batch), warm-up
     streaming.py  response bodies, SSE streams, the access log

@@ -69,7 +69,8 @@ class Choices:
         if r == 0:
             return p
         # the echo (and its prompt logprobs) is run 0's, the same for every choice of the prompt
-        return replace(p, sampling=replace(p.sampling, seed=choice_seed(p.sampling.seed, r)), echo=False)
+        request = replace(p.request, sampling=replace(p.sampling, seed=choice_seed(p.sampling.seed, r)))
+        return replace(p, request=request, echo=False)
 
     def _on(self, k: int, item) -> None:  # the event loop
         if self._ended:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from selfspec.coercion import ConfigTypeError
+from selfspec.errors import SelfSpecError
+
 
 class APIError(Exception):
     """An error answered to the client in OpenAI's shape."""
@@ -18,6 +21,14 @@ class APIError(Exception):
 def bad(message: str, param=None, code=None) -> APIError:
     """A 400 invalid_request_error."""
     return APIError(400, message, param=param, code=code)
+
+
+def config_error(e: SelfSpecError) -> APIError:
+    """The request builder's error as the 400 naming its field: "top_p must be in (0, 1], got
+    1.5" -> "'top_p' must be in (0, 1], got 1.5."."""
+    name, msg = getattr(e, "field", None), str(e)
+    msg = f"'{name}'{msg[len(name):]}" if name and msg.startswith(name + " ") else msg[:1].upper() + msg[1:]
+    return bad(f"{msg}.", param=name, code="invalid_type" if isinstance(e, ConfigTypeError) else "invalid_value")
 
 
 class Cancelled(Exception):

@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
-from selfspec.config import COUPLINGS, MAX_LOGPROBS, Grammar, LogitBias, SamplingConfig
+from selfspec.coercion import ConfigError, ConfigTypeError, typed
+from selfspec.config import COUPLINGS, MAX_LOGPROBS, DraftConfig, Grammar, LogitBias
 from selfspec.errors import SelfSpecError
 from selfspec.server.errors import bad
+from selfspec.server.settings import MAX_REQUEST_NGRAM, REQUEST_DRAFT_OPTIONS
+
+if TYPE_CHECKING:
+    from selfspec.server.parsing import ParseContext
 
 MAX_N = 16  # the most choices one request may ask for per prompt (each is a sequence of the batch)
 MAX_CHOICES = 256  # the most choices of a request with a list of prompts (prompts x n)
@@ -45,10 +52,13 @@ def parse_stop_token_ids(ids, vocab_size: int) -> tuple[int, ...]:
     if bad_ids:
         raise bad(f"Stop token id {bad_ids[0]} is outside the vocabulary (size {vocab_size}).", param="stop_token_ids",
                   code="invalid_value")
-    return tuple(sorted(set(ids)))
+    return tuple(ids)  # sorted and deduplicated by GenerationConfig
 
 
-def parse_sampling(body: dict) -> SamplingConfig:
+def parse_sampling(body: dict) -> dict:
+    """temperature (OpenAI's default 1.0 when absent, at most 2), top_p (1: off), top_k (0 or -1:
+    off) and seed (64 bits) as the request builder's keywords; their ranges otherwise are
+    SamplingConfig's (checked by the builder: parsing._check_options)."""
     t = body.get("temperature")
     if t is None:
         t = 1.0
@@ -60,8 +70,6 @@ def parse_sampling(body: dict) -> SamplingConfig:
     if top_p is not None:
         if not is_num(top_p):
             raise bad("'top_p' must be a number.", param="top_p", code="invalid_type")
-        if not 0 < top_p <= 1:
-            raise bad(f"'top_p' must be in (0, 1], got {top_p}.", param="top_p", code="invalid_value")
         top_p = None if top_p == 1 else float(top_p)
     top_k = body.get("top_k")
     if top_k is not None:
@@ -76,10 +84,7 @@ def parse_sampling(body: dict) -> SamplingConfig:
             raise bad("'seed' must be an integer.", param="seed", code="invalid_type")
         if not -(2**63) <= seed < 2**64:
             raise bad("'seed' must fit in 64 bits.", param="seed", code="invalid_value")
-    try:
-        return SamplingConfig(temperature=float(t), top_k=top_k, top_p=top_p, seed=seed)
-    except SelfSpecError as e:
-        raise bad(str(e), code="invalid_value") from None
+    return {"temperature": float(t), "top_k": top_k, "top_p": top_p, "seed": seed}
 
 
 def parse_stop(stop, max_stop: int) -> tuple[str, ...]:
@@ -91,7 +96,7 @@ def parse_stop(stop, max_stop: int) -> tuple[str, ...]:
         raise bad("'stop' must be a string or a list of strings.", param="stop", code="invalid_type")
     if len(stop) > max_stop:
         raise bad(f"At most {max_stop} stop strings are allowed.", param="stop", code="invalid_value")
-    return tuple(s for s in stop if s)
+    return tuple(stop)  # empty strings dropped by GenerationConfig
 
 
 def parse_coupling(ext, default: str):
@@ -142,25 +147,20 @@ def parse_echo(body: dict, chat: bool) -> bool:
     return echo and not chat
 
 
-_PENALTIES = {"presence_penalty": (-2.0, 2.0, 0.0), "frequency_penalty": (-2.0, 2.0, 0.0),
-              "repetition_penalty": (0.0, 10.0, 1.0), "min_p": (0.0, 1.0, 0.0)}  # (low, high, off)
+_PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
 
 
 def parse_processors(body: dict, vocab_size: int) -> dict:
-    """The logits processors' SamplingConfig fields (processors.py): penalties, min_p, logit_bias."""
+    """The logits processors' SamplingConfig fields (processors.py): penalties, min_p (their
+    ranges are SamplingConfig's, checked by the builder), logit_bias."""
     out = {}
-    for name, (low, high, off) in _PENALTIES.items():
+    for name in _PENALTIES:
         v = body.get(name)
         if v is None:
             continue
         if not is_num(v):
             raise bad(f"'{name}' must be a number.", param=name, code="invalid_type")
-        ok = (low < v <= high) if name == "repetition_penalty" else (low <= v < high if name == "min_p" else low <= v <= high)
-        if not ok:
-            span = "(0, 10]" if name == "repetition_penalty" else ("[0, 1)" if name == "min_p" else f"[{low:g}, {high:g}]")
-            raise bad(f"'{name}' must be in {span}, got {v}.", param=name, code="invalid_value")
-        if v != off:
-            out[name] = float(v)
+        out[name] = float(v)
     bias = body.get("logit_bias")
     if bias:
         if not isinstance(bias, dict):
@@ -211,3 +211,48 @@ def parse_response_format(rf) -> Grammar | None:
         return Grammar("regex" if kind == "regex" else "lark", src)
     raise bad(f"'response_format.type' must be one of text, json_object, json_schema, regex, grammar; got {kind!r}.",
               param="response_format", code="invalid_value")
+
+
+def parse_draft(ext, ctx: ParseContext) -> DraftConfig:
+    """The request's `selfspec` object -> the DraftConfig it runs with (the served one when
+    absent or empty). Every check DraftConfig makes applies, unused options included."""
+    served = ctx.draft
+    if ext is None:
+        return served
+    if not isinstance(ext, dict):
+        raise bad("'selfspec' must be an object.", param="selfspec", code="invalid_type")
+    if not ext:
+        return served
+    if not ctx.settings.allow_request_draft:
+        raise bad("This server does not accept per-request draft options ('selfspec').", param="selfspec",
+                  code="unsupported_parameter")
+    unknown = [k for k in ext if k not in REQUEST_DRAFT_OPTIONS]
+    if unknown:
+        raise bad(f"'selfspec.{unknown[0]}' cannot be set per request; allowed: {', '.join(REQUEST_DRAFT_OPTIONS)}.",
+                  param=f"selfspec.{unknown[0]}", code="unsupported_parameter")
+    try:
+        opts = typed(DraftConfig, ext, text=False)  # JSON: values must have their field's type
+    except ConfigError as e:
+        raise bad(f"Invalid 'selfspec' draft options: {e}", param=f"selfspec.{e.field}", code="invalid_type") from None
+    strategy = opts.get("strategy", served.strategy)
+    if strategy not in ctx.allowed:
+        raise bad(f"Strategy {strategy!r} is not allowed on this server; allowed: {', '.join(ctx.allowed)}.",
+                  param="selfspec.strategy", code="invalid_value")
+    try:
+        # a request that changes the strategy starts from that strategy's defaults for this model,
+        # not from options of the served one it would not use
+        cfg = replace(served, **opts) if strategy == served.strategy else \
+            DraftConfig.from_dict({**ctx.defaults.get(strategy, {}), **opts})
+        if cfg.strategy == "draft-model" and served.strategy != "draft-model":
+            raise SelfSpecError("draft-model is not allowed per request")
+        if cfg.num_speculations > ctx.settings.max_num_speculations:
+            raise ConfigError(f"num_speculations must be in 1..{ctx.settings.max_num_speculations} on this server, "
+                              f"got {cfg.num_speculations}", "num_speculations")
+        if cfg.max_ngram > MAX_REQUEST_NGRAM:
+            raise ConfigError(f"max_ngram must be in 1..{MAX_REQUEST_NGRAM}, got {cfg.max_ngram}", "max_ngram")
+        cfg.check_model(ctx.num_layers, ctx.vocab_size)
+    except SelfSpecError as e:
+        field = getattr(e, "field", None)
+        raise bad(f"Invalid 'selfspec' draft options: {e}", param=f"selfspec.{field}" if field else "selfspec",
+                  code="invalid_type" if isinstance(e, ConfigTypeError) else "invalid_value") from None
+    return cfg

@@ -2,10 +2,16 @@
 
 Two stages, so that nothing expensive runs on the event loop:
 
-    parse_request(body, chat, ctx) -> Request   # validates every field; cheap, bounded work:
-                                                # a text prompt longer than the character
-                                                # bound is refused here, untokenized
-    encode(request, model, limits) -> Params    # tokenizes exactly once (run it in a thread)
+    parse_request(body, chat, ctx) -> ParsedRequest   # validates every field; cheap, bounded
+                                                      # work: a text prompt longer than the
+                                                      # character bound is refused here, untokenized
+    encode(parsed, model, ctx) -> Params              # tokenizes exactly once (run it in a thread)
+
+The wire's fields become the keywords of selfspec's one request builder (request.configs,
+Request.build, as `generate` takes them), checked by it in stage 1 (its errors as the 400 that
+names the field) and built into each prompt's selfspec.Request in stage 2; what is the wire's
+own (types, OpenAI's ranges and "off" values, the vocabulary, the server's limits) is checked
+here and in fields.py.
 
 Request fields honoured: model, max_tokens (or its newer name max_completion_tokens, which wins
 when both are given), temperature (OpenAI's default 1.0 when absent), top_p, top_k (extension;
@@ -28,14 +34,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from selfspec import strategies
-from selfspec.coercion import ConfigError, ConfigTypeError, typed
 from selfspec.config import DraftConfig, SamplingConfig
 from selfspec.errors import SelfSpecError
-from selfspec.server.errors import APIError, bad
 from selfspec.grammar import grammar_matcher
-from selfspec.server.fields import (MAX_CHOICES, is_int, parse_coupling, parse_echo, parse_logprobs, parse_n, parse_processors,
-                                    parse_response_format, parse_sampling, parse_stop, parse_stop_token_ids)
-from selfspec.server.settings import MAX_REQUEST_NGRAM, REQUEST_DRAFT_OPTIONS, PromptLimits, ServerSettings
+from selfspec.request import Request, configs
+from selfspec.server.errors import APIError, bad, config_error
+from selfspec.server.fields import (MAX_CHOICES, is_int, parse_coupling, parse_draft, parse_echo, parse_logprobs, parse_n,
+                                    parse_processors, parse_response_format, parse_sampling, parse_stop, parse_stop_token_ids)
+from selfspec.server.settings import PromptLimits, ServerSettings
 
 _COMMON_FIELDS = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                   "stop_token_ids", "n", "stream", "stream_options", "user", "selfspec", "metadata", "store", "service_tier",
@@ -90,20 +96,19 @@ class ParseContext:
 
 
 @dataclass(frozen=True)
-class Request:
-    """A validated request, its prompt not yet tokenized: exactly one of ids/text/messages."""
+class ParsedRequest:
+    """A validated request, its prompt not yet tokenized: exactly one of ids/text/messages
+    (or `batch`)."""
 
     chat: bool
     model: str
-    max_tokens: int
-    sampling: SamplingConfig
-    stop: tuple[str, ...]
+    max_tokens: int  # 0: echo alone (the prompt, nothing generated)
+    # request.configs' keywords (sampling, stop, stop_token_ids, logprobs, draft), checked by it:
+    # Request.build's for each prompt (encode)
+    options: dict
     stream: bool
     include_usage: bool
-    draft: DraftConfig
     n: int = 1
-    stop_token_ids: tuple[int, ...] = ()
-    logprobs: int | None = None  # alternatives per token (0: the token's own only); None: no logprobs
     echo: bool = False  # completions: the prompt's text (and logprobs) before the completion
     ids: list[int] | None = None  # a prompt given as token ids
     text: str | None = None  # a text prompt (completions)
@@ -113,21 +118,37 @@ class Request:
 
 @dataclass(frozen=True)
 class Params:
-    """A request ready for the engine."""
+    """One prompt of a request, ready for the worker: the selfspec.Request the engine runs
+    (Request.build's, as `generate` builds its own) and what only the server needs."""
 
-    prompt_ids: list[int]
-    max_tokens: int
-    sampling: SamplingConfig
-    stop: tuple[str, ...]
+    request: Request
+    model: str
+    max_tokens: int  # as asked; 0: echo alone, the request is not run (its budget is then 1)
     stream: bool
     include_usage: bool
-    draft: DraftConfig
-    model: str
     n: int = 1  # choices
-    stop_token_ids: tuple[int, ...] = ()
-    logprobs: int | None = None
     echo: bool = False
     echo_text: str = ""  # echo: the prompt's text, returned before the completion
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return list(self.request.prompt_ids)
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return self.request.sampling
+
+    @property
+    def draft(self) -> DraftConfig:
+        return self.request.draft
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return self.request.gen.stop_token_ids
+
+    @property
+    def logprobs(self) -> int | None:
+        return self.request.gen.logprobs
 
 
 def _is_off(name: str, v) -> bool:
@@ -145,7 +166,7 @@ def _is_off(name: str, v) -> bool:
 # ---- stage 1: validation (cheap, on the event loop) --------------------------------------
 
 
-def parse_request(body: dict, chat: bool, ctx: ParseContext) -> Request:
+def parse_request(body: dict, chat: bool, ctx: ParseContext) -> ParsedRequest:
     """Validate every field of a request body; the prompt is checked against the limits as far
     as that is possible without tokenizing (token ids: exactly; text: the character bound)."""
     _check_fields(body, chat)
@@ -155,19 +176,28 @@ def parse_request(body: dict, chat: bool, ctx: ParseContext) -> Request:
     echo = parse_echo(body, chat)
     max_tokens = _parse_max_tokens(body, chat, ctx.settings, echo)
     coupling, ext = parse_coupling(body.get("selfspec"), ctx.settings.coupling)
-    sampling = replace(parse_sampling(body), coupling=coupling, **parse_processors(body, ctx.vocab_size),
-                       grammar=parse_response_format(body.get("response_format")))
-    stop = parse_stop(body.get("stop"), ctx.settings.max_stop)
-    draft = parse_draft(ext, ctx)
-    common = dict(chat=chat, model=model, max_tokens=max_tokens, sampling=sampling, stop=stop, stream=stream,
-                  include_usage=include_usage, draft=draft, n=n, logprobs=parse_logprobs(body, chat), echo=echo,
-                  stop_token_ids=parse_stop_token_ids(body.get("stop_token_ids"), ctx.vocab_size))
+    options = {**parse_sampling(body), "coupling": coupling, **parse_processors(body, ctx.vocab_size),
+               "grammar": parse_response_format(body.get("response_format")),
+               "stop": parse_stop(body.get("stop"), ctx.settings.max_stop), "draft": parse_draft(ext, ctx),
+               "logprobs": parse_logprobs(body, chat),
+               "stop_token_ids": parse_stop_token_ids(body.get("stop_token_ids"), ctx.vocab_size)}
+    _check_options(options, max_tokens)
+    common = dict(chat=chat, model=model, max_tokens=max_tokens, options=options, stream=stream,
+                  include_usage=include_usage, n=n, echo=echo)
     if chat:
-        return Request(**common, messages=parse_messages(body.get("messages"), ctx.limits))
+        return ParsedRequest(**common, messages=parse_messages(body.get("messages"), ctx.limits))
     prompts = parse_prompts(body.get("prompt"), ctx, n)
     if len(prompts) > 1:
-        return Request(**common, batch=tuple(prompts))
-    return Request(**common, **_one(prompts[0]))
+        return ParsedRequest(**common, batch=tuple(prompts))
+    return ParsedRequest(**common, **_one(prompts[0]))
+
+
+def _check_options(options: dict, max_tokens: int) -> None:
+    """The options checked by the builder itself (request.configs), before any tokenizing."""
+    try:
+        configs(max_new_tokens=max(max_tokens, 1), **options)
+    except SelfSpecError as e:
+        raise config_error(e) from None
 
 
 def _one(prompt: str | list[int]) -> dict:
@@ -231,51 +261,6 @@ def _parse_max_tokens(body: dict, chat: bool, settings: ServerSettings, echo: bo
         raise bad(f"'{pname}' is {max_tokens}; this server allows at most {settings.max_new_tokens_limit}.",
                   param=pname, code="max_tokens_exceeded")
     return max_tokens
-
-
-def parse_draft(ext, ctx: ParseContext) -> DraftConfig:
-    """The request's `selfspec` object -> the DraftConfig it runs with (the served one when
-    absent or empty). Every check DraftConfig makes applies, unused options included."""
-    served = ctx.draft
-    if ext is None:
-        return served
-    if not isinstance(ext, dict):
-        raise bad("'selfspec' must be an object.", param="selfspec", code="invalid_type")
-    if not ext:
-        return served
-    if not ctx.settings.allow_request_draft:
-        raise bad("This server does not accept per-request draft options ('selfspec').", param="selfspec",
-                  code="unsupported_parameter")
-    unknown = [k for k in ext if k not in REQUEST_DRAFT_OPTIONS]
-    if unknown:
-        raise bad(f"'selfspec.{unknown[0]}' cannot be set per request; allowed: {', '.join(REQUEST_DRAFT_OPTIONS)}.",
-                  param=f"selfspec.{unknown[0]}", code="unsupported_parameter")
-    try:
-        opts = typed(DraftConfig, ext, text=False)  # JSON: values must have their field's type
-    except ConfigError as e:
-        raise bad(f"Invalid 'selfspec' draft options: {e}", param=f"selfspec.{e.field}", code="invalid_type") from None
-    strategy = opts.get("strategy", served.strategy)
-    if strategy not in ctx.allowed:
-        raise bad(f"Strategy {strategy!r} is not allowed on this server; allowed: {', '.join(ctx.allowed)}.",
-                  param="selfspec.strategy", code="invalid_value")
-    try:
-        # a request that changes the strategy starts from that strategy's defaults for this model,
-        # not from options of the served one it would not use
-        cfg = replace(served, **opts) if strategy == served.strategy else \
-            DraftConfig.from_dict({**ctx.defaults.get(strategy, {}), **opts})
-        if cfg.strategy == "draft-model" and served.strategy != "draft-model":
-            raise SelfSpecError("draft-model is not allowed per request")
-        if cfg.num_speculations > ctx.settings.max_num_speculations:
-            raise ConfigError(f"num_speculations must be in 1..{ctx.settings.max_num_speculations} on this server, "
-                              f"got {cfg.num_speculations}", "num_speculations")
-        if cfg.max_ngram > MAX_REQUEST_NGRAM:
-            raise ConfigError(f"max_ngram must be in 1..{MAX_REQUEST_NGRAM}, got {cfg.max_ngram}", "max_ngram")
-        cfg.check_model(ctx.num_layers, ctx.vocab_size)
-    except SelfSpecError as e:
-        field = getattr(e, "field", None)
-        raise bad(f"Invalid 'selfspec' draft options: {e}", param=f"selfspec.{field}" if field else "selfspec",
-                  code="invalid_type" if isinstance(e, ConfigTypeError) else "invalid_value") from None
-    return cfg
 
 
 def too_long(n: int, limits: PromptLimits, param: str, at_least: bool = False) -> APIError:
@@ -373,15 +358,16 @@ def _parse_message(m, p: str) -> dict:
 # ---- stage 2: tokenization (once; in a worker thread, never on the event loop) -----------
 
 
-def encode_all(req: Request, model, ctx: ParseContext) -> list[Params]:
+def encode_all(req: ParsedRequest, model, ctx: ParseContext) -> list[Params]:
     """encode() for each of the request's prompts (a list of them: `batch`; else the one)."""
     if not req.batch:
         return [encode(req, model, ctx)]
     return [encode(replace(req, batch=(), **_one(p)), model, ctx) for p in req.batch]
 
 
-def encode(req: Request, model, ctx: ParseContext) -> Params:
-    """Tokenize the request's prompt exactly once and check the result against the limits."""
+def encode(req: ParsedRequest, model, ctx: ParseContext) -> Params:
+    """Tokenize the request's prompt exactly once, check the result against the limits, and
+    build its selfspec.Request (Request.build: the budget cut to the context left)."""
     if req.ids is not None:
         ids, param = req.ids, "prompt"
     elif req.text is not None:
@@ -389,16 +375,21 @@ def encode(req: Request, model, ctx: ParseContext) -> Params:
     else:
         ids, param = _chat_ids(req.messages, model), "messages"
     check_ids(ids, ctx.limits, ctx.vocab_size, param)
-    if req.sampling.grammar is not None:
+    grammar = req.options.get("grammar")
+    if grammar is not None:
         try:
-            grammar_matcher(model, req.sampling.grammar)  # compiled (and cached) here, off the event loop
+            grammar_matcher(model, grammar)  # compiled (and cached) here, off the event loop
         except SelfSpecError as e:
             raise bad(f"Invalid 'response_format': {e}.", param="response_format", code="invalid_value") from None
-    return Params(ids, req.max_tokens, req.sampling, req.stop, req.stream, req.include_usage, req.draft, req.model, req.n,
-                  req.stop_token_ids, req.logprobs, req.echo, _echo_text(req, ids, model) if req.echo else "")
+    try:  # max_tokens 0: echo alone, never run
+        request = Request.build(model, ids, max_new_tokens=max(req.max_tokens, 1), **req.options)
+    except SelfSpecError as e:
+        raise config_error(e) from None
+    return Params(request, req.model, req.max_tokens, req.stream, req.include_usage, req.n, req.echo,
+                  _echo_text(req, ids, model) if req.echo else "")
 
 
-def _echo_text(req: Request, ids: list[int], model) -> str:
+def _echo_text(req: ParsedRequest, ids: list[int], model) -> str:
     if req.text is not None:
         return req.text
     return model.tokenizer.decode(ids) if model.tokenizer is not None else ""

@@ -41,11 +41,12 @@ import math
 import threading
 import time
 from collections import deque
+from dataclasses import replace
 
-from selfspec.batch import BatchEngine, BatchHandle, BatchRequest
+from selfspec.batch import BatchEngine, BatchHandle
 from selfspec.batch.planner import kept_costs
-from selfspec.config import GenerationConfig
 from selfspec.engine import GenerationResult, GenerationStats
+from selfspec.request import Request
 from selfspec.server.errors import APIError
 from selfspec.server.parsing import Params
 from selfspec.server.settings import ServerSettings, default_max_batch
@@ -240,12 +241,10 @@ class Worker:
         if job.cancelled.is_set():  # left while entering: _cancel did not see the handle
             handle.cancel()
 
-    def request(self, job: Job) -> BatchRequest:
-        """The job as a BatchRequest: the budget, stop strings, sampling and draft of `generate`."""
-        p: Params = job.params
-        gen = GenerationConfig(max_new_tokens=min(p.max_tokens, self.model.context_length - len(p.prompt_ids)), stop=p.stop,
-                               stop_token_ids=p.stop_token_ids, logprobs=p.logprobs)
-        return BatchRequest(list(p.prompt_ids), gen, p.sampling, p.draft, lambda ev: self._on_event(job, ev))
+    def request(self, job: Job) -> Request:
+        """The job's Request (built by Request.build, as `generate` builds its own: parsing.encode),
+        streaming its tokens to the job."""
+        return replace(job.params.request, on_event=lambda ev: self._on_event(job, ev))
 
     def _step(self) -> None:
         try:
