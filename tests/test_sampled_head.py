@@ -372,3 +372,33 @@ def test_grammar_rows(monkeypatch, dtype, few):
                 assert set(want) == {1234}
             # a flat row's whole-row pick often falls outside a top-k / top-p support: the full head decides those
             _same_where_decided(got, want, 0.9 if cfg.top_k is None and cfg.top_p is None else 0.3, (name, cfg))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gumbel_reach_is_its_definition(threads):
+    """csrc/gumbel.c's reach pass (32 entries per block, four tokens a Philox counter) against its
+    definition in torch: thr = max fl(fl(lo / T) + g), the set {fl(fl(up / T) + g) >= thr} in
+    order with those upper scores; lengths off the block size, -inf entries, rows dense near the
+    top and rows where a few tokens stand out."""
+    g = torch.Generator().manual_seed(11)
+    for n in (5003, 70001, 262144):
+        for shape in ("dense", "peaked"):
+            x = torch.randn(n, generator=g) * (1.0 if shape == "dense" else 4.0)
+            if shape == "peaked":
+                x[torch.randint(0, n, (20,), generator=g)] += 25.0
+            w = torch.rand(n, generator=g) * 3
+            lo, up = x - w, x + w
+            lo[:: 97] = float("-inf")
+            up[:: 97] = float("-inf")
+            for t in (1.0, 0.7):
+                for key, pos in ((3, 17), (2**63 + 5, 2**33 + 1)):
+                    got = gumbel_reach(lo, up, t, key, pos, 4096, threads=threads)
+                    noise = gumbel_noise(key, pos, torch.arange(n))
+                    sl, su = (lo / t) + noise, (up / t) + noise
+                    thr = float(sl.max())
+                    want = (su >= thr).nonzero().flatten()
+                    if len(want) > 4096:
+                        assert got is None
+                        continue
+                    assert got is not None and got[0].tolist() == want.tolist() and torch.equal(got[1], su[want]), (n, shape, t)
+                    assert got[2] == thr
