@@ -21,8 +21,9 @@ bytes spread over 320 cache lines; a row with more than CAP candidates, or with 
 values, is computed by the full head instead).
 
 It gives argmax ids only (Runtime.argmax). Seeded (Gumbel-max) sampling is an argmax too and
-reads the same int8 copy through sampled_head.py; anything that reads probabilities (top-p,
-processors, logprobs, rejection sampling) uses the full head.
+reads the same int8 copy through sampled_head.py, top-k, top-p and the logits processors included,
+and so do greedy rows with processors (sampled_head.HeadRow.argmax); what reads whole
+distributions (logprobs, rejection sampling) uses the full head.
 """
 
 from __future__ import annotations

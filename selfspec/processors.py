@@ -32,8 +32,31 @@ from collections.abc import Sequence
 import torch
 
 from selfspec.config import GenerationConfig, SamplingConfig
+from selfspec.coupling import LazyRow
 from selfspec.logprobs import TokenLogprob, drawn_from, token_logprob
 from selfspec.sampling import Rows, SubVocab
+
+
+def min_p_floor(x_max: torch.Tensor, min_p: float) -> torch.Tensor:
+    """The least x = z / T that min_p keeps, from the row's largest x (a 0-dim fp32 tensor): one
+    expression, so that every path (the full row, the screened pick) computes the same float."""
+    return x_max + math.log(min_p)
+
+
+class Entries:
+    """The entries of a few known tokens, ids [n] (int64 ascending): entry j is token ids[j]. Read
+    as Processing.edit reads a SubVocab (`ids`, `index[tokens]` -> entry or -1), without a
+    vocabulary-sized index."""
+
+    def __init__(self, ids: torch.Tensor):
+        self.ids = ids.long()
+        self.index = self
+
+    def __getitem__(self, tokens: torch.Tensor) -> torch.Tensor:
+        if not len(self.ids):
+            return torch.full_like(tokens, -1)
+        j = torch.searchsorted(self.ids, tokens).clamp(max=len(self.ids) - 1)
+        return torch.where(self.ids[j] == tokens, j, -1)
 
 
 class Processing:
@@ -95,6 +118,19 @@ class Processing:
         z = logits.detach().float().clone()
         if not self.alters:
             return z
+        self.edit(z, drafted, sub)
+        s = self.sampling
+        if s.min_p and not s.greedy:
+            x = z / s.temperature
+            z.masked_fill_(x < min_p_floor(x.max(), s.min_p), float("-inf"))
+        return z
+
+    def edit(self, z: torch.Tensor, drafted: Sequence[int] = (), sub: SubVocab | Entries | None = None) -> None:
+        """Every processor but min_p on z [N] in place (entry j: token j, or sub.ids[j]): each entry's
+        new value is a function of its token and its own value alone, the same fp32 operations
+        whichever entries z holds, and non-decreasing in the value (additions, the repetition
+        penalty's z / r or z r by sign, -inf off the grammar): so it maps bounds on logits to bounds
+        on the processed logits (sampled_head.py)."""
         s = self.sampling
         drafted = [t for t in drafted if t < self.vocab_size]
         if len(self._bias_ids):
@@ -111,10 +147,6 @@ class Processing:
         if self.matcher is not None:
             allowed = self.matcher.allowed(drafted)  # bool [vocab]
             z.masked_fill_(~(allowed if sub is None else allowed[sub.ids]), float("-inf"))
-        if s.min_p and not s.greedy:
-            x = z / s.temperature
-            z.masked_fill_(x < x.max() + math.log(s.min_p), float("-inf"))
-        return z
 
     def _minus(self, count: int) -> float:
         """What presence and frequency subtract from a token generated `count` times (> 0): one
@@ -192,8 +224,46 @@ class ProcessedRows(Sequence):
 
     def __getitem__(self, j):
         if j not in self._rows:
-            self._rows[j] = self.proc.row(self.logits[j], self.draft[:j])
+            row = self.logits[j]
+            drafted = self.draft[:j]
+            self._rows[j] = ProcessedRow(self.proc, row, drafted) if isinstance(row, LazyRow) else self.proc.row(row, drafted)
         return self._rows[j]
+
+
+class ProcessedRow(LazyRow):
+    """Processing.row(row.full(), drafted) of a row not computed yet (sampled_head.HeadRow): its
+    Gumbel-max or argmax token picked through the screened head with these processors (`edit`,
+    `allowed`, `min_p`: what sampled_head.py reads), the full row made only where the screen
+    cannot decide."""
+
+    def __init__(self, proc: Processing, row: LazyRow, drafted: list[int]):
+        self.proc, self.row, self.drafted = proc, row, drafted
+        s = proc.sampling
+        self.min_p = s.min_p if s.min_p and not s.greedy else 0.0
+        self._full: torch.Tensor | None = None
+
+    def full(self) -> torch.Tensor:
+        if self._full is None:
+            self._full = self.proc.row(self.row.full(), self.drafted)
+        return self._full
+
+    def edit(self, z: torch.Tensor, ids: torch.Tensor | None = None) -> None:
+        """Processing.edit on z in place: every token's entry, or entry j token ids[j] (ascending)."""
+        self.proc.edit(z, self.drafted, None if ids is None else Entries(ids))
+
+    def allowed(self) -> torch.Tensor | None:
+        """The grammar's mask (bool [vocab]) at this row, or None."""
+        if self.proc.matcher is None:
+            return None
+        return self.proc.matcher.allowed([t for t in self.drafted if t < self.proc.vocab_size])  # as edit asks it
+
+    def gumbel(self, cfg: SamplingConfig, key: int, pos: int) -> int | None:
+        return self.row.gumbel(cfg, key, pos, self)
+
+    def argmax(self) -> int:
+        """The processed row's argmax (first index on ties), as Argmaxes takes it from a full row."""
+        token = self.row.argmax(self)
+        return int(self.full().argmax()) if token is None else token
 
 
 class Argmaxes(Sequence):

@@ -450,5 +450,8 @@ class Runtime:
         """Full model on ids [T] at positions pos..; returns fp32 logits [T or 1, V], or with argmax_only
         (greedy) their argmax tokens (Runtime.argmax), with picks_only (Gumbel-max picks only) sampled_head's rows."""
         h = self.run_layers(self.embed(ids), 0, self.num_layers, pos, cache)
-        h = h[-1:] if last_only else h
+        return self.head_output(h[-1:] if last_only else h, argmax_only, picks_only)
+
+    def head_output(self, h: torch.Tensor, argmax_only: bool = False, picks_only: bool = False) -> torch.Tensor | list[int] | HeadRows:
+        """The head's output for the last layer's rows h [T, H], as forward returns it."""
         return self.argmax(h) if argmax_only else head_rows(self, h, screened_head(self)) if picks_only else self.logits(h)

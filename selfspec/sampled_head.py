@@ -26,9 +26,25 @@ maximum, so m = max x exactly), then from the bounds for the rest of the row (xu
            sums them (fp32 exps, fp32 block sums, fp64 across), so A (1 + REL) < top_p Z (1 - REL)
            with REL above every rounding of both sides proves it.
 Where the test fails (t* maybe outside: about the share 1 - top_p of rows, plus a margin band;
-a top-p boundary exactly on a token always) the full head decides. Not screened: processed rows
-(penalties, min_p, bias, grammar: engine.py passes them as full rows), rows whose bounds are not
-finite, and rows with more than CAP candidates (TRUNCATED_COLUMNS exact columns when truncated).
+a top-p boundary exactly on a token always) the full head decides.
+Processed rows (processors.ProcessedRow: greedy or sampled, no logprobs recorded). Every processor
+but min_p (logit_bias, the penalties, a grammar's -inf) maps each token's logit to a new value by
+fp32 operations that depend on the token and that value alone and never decrease with it
+(processors.Processing.edit), so applied to lo and up it gives bounds on the processed row, and
+applied to the exact columns of some tokens, their processed values bit for bit (the same
+operations on the same floats; a +100 bias or a penalty that lifts a token the raw screen would
+leave out moves its bounds with it). min_p keeps x >= f = fl(max x + fl(ln min_p)) (one
+expression, processors.min_p_floor): max x is exact from the columns of {up >= max lo}; then lo
+is set to -inf where fl(lo / T) < f (only tokens surely kept give the threshold) and up where
+fl(up / T) < f (surely dropped), and a candidate is kept by its exact x: the pick over the kept
+set, which top-k / top-p then test as above over the min_p'd row (its Z: kept tokens only). When
+{up >= max lo} is too large (a flat row) and no truncation needs max x, f is bounded by the
+floors of max lo and max up and the row decided if no candidate falls between them. A grammar
+that allows at most FEW tokens is decided from their exact columns alone (no screen; top-k then
+exact too). Greedy processed rows: the argmax over {up >= max lo}, largest up first (HeadRow.argmax).
+Not screened: rows that record logprobs or draw with the rejection coupling (full rows), rows
+whose bounds are not finite, rows with more than CAP candidates (TRUNCATED_COLUMNS exact columns
+when truncated or under min_p).
 """
 
 from __future__ import annotations
@@ -43,6 +59,7 @@ from selfspec import kernels
 from selfspec.config import SamplingConfig
 from selfspec.coupling import LazyRow, pick_entries
 from selfspec.greedy_head import ScreenedHead
+from selfspec.processors import min_p_floor
 from selfspec.kernels.screen import act_residual, exact_columns, gumbel_reach, nucleus_tail, screen_bounds, screen_qgemm
 
 ENABLED = os.environ.get("SELFSPEC_EXACT_PICKS") != "1"  # off: every sampled row is computed in full (benchmarks)
@@ -50,6 +67,7 @@ CAP = 4096  # candidates a row may have before the full head decides it
 ROUND = 8  # candidates computed first (of largest upper score) when there are more
 SCREEN_TRUNCATED = True  # top-k / top-p rows through the screen (off: the full head decides them)
 TRUNCATED_COLUMNS = 1024  # exact columns a truncated row may take before the full head is cheaper
+FEW = 512  # a grammar allowing at most this many tokens: their exact columns alone decide the row
 CUT = 20.0  # normaliser terms below exp(-CUT) of the largest are left out of its lower bound
 REL = 2.0**-12  # relative margin > csrc/sampling.c's roundings of the masses (fp32 exps and block sums) and ours
 _FLT_MAX = 3.4028234663852886e38
@@ -98,7 +116,8 @@ class HeadRows:
 
 
 class HeadRow(LazyRow):
-    """Row i of HeadRows: what coupling.gumbel_token reads."""
+    """Row i of HeadRows: what coupling.gumbel_token and processors.ProcessedRow read. `edit`: the
+    row's processors (processors.ProcessedRow; None: none), module doc."""
 
     def __init__(self, rows: HeadRows, i: int):
         self.rows, self.i = rows, i
@@ -106,26 +125,129 @@ class HeadRow(LazyRow):
     def full(self) -> torch.Tensor:
         return self.rows.full()[self.i]
 
-    def gumbel(self, cfg: SamplingConfig, key: int, pos: int) -> int | None:
-        """The token coupling.gumbel_token picks from the full row under cfg with the noise of
-        (key, pos), or None where the screen cannot decide it (module doc)."""
-        v = self.rows.shape[1]
-        top_k = cfg.top_k if cfg.top_k is not None and cfg.top_k < v else None
-        top_p = cfg.top_p if cfg.top_p is not None and cfg.top_p < 1.0 else None
-        if (top_k is not None or top_p is not None) and not SCREEN_TRUNCATED:
-            return None
+    # ---- the pieces: bounds and exact values of the (processed) row ---------------------------
+
+    def _bounds(self, edit) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(lo, up) fp32 [V], lo <= z <= up for every token's (processed) logit z; None when the
+        screen's bounds are not finite."""
         a, xn, dxn = self.rows.screened()
         bounds = screen_bounds(a[self.i], self.rows.screen.ab, float(xn[self.i]), float(dxn[self.i]),
                                self.rows.x.dtype == torch.bfloat16)
+        if bounds is not None and edit is not None:
+            for b in bounds:  # monotone, token by token: bounds of the processed row
+                edit.edit(b)
+        return bounds
+
+    def _exact(self, ids: torch.Tensor, edit) -> torch.Tensor | None:
+        """The (processed) logits at tokens ids [n] (ascending), bit for bit the full row's; None
+        where a logit is not finite."""
+        vals = self.rows.exact(self.i, ids.to(torch.int32))
+        if vals is not None and edit is not None:
+            edit.edit(vals, ids.long())
+        return vals
+
+    def _few(self, edit) -> torch.Tensor | None:
+        """The tokens a grammar allows here when they are at most FEW (int32 ascending): their exact
+        columns decide, with no screen. None otherwise."""
+        allowed = None if edit is None else edit.allowed()
+        if allowed is None or not 0 < int(allowed.sum()) <= FEW:
+            return None
+        return allowed.nonzero().flatten().to(torch.int32)
+
+    # ---- greedy --------------------------------------------------------------------------------
+
+    def argmax(self, edit=None) -> int | None:
+        """The (processed) row's argmax, first index on ties, or None where the screen cannot
+        decide it. Every token with up < max lo is strictly below the maximum; of the rest, those
+        of largest up are computed first and prune the others (up < an exact value)."""
+        ids = self._few(edit)
+        if ids is None:
+            bounds = self._bounds(edit)
+            if bounds is None:
+                return None
+            lo, up = bounds
+            ids = (up >= lo.max()).nonzero().flatten()
+            if len(ids) > CAP:
+                return None
+            if len(ids) > ROUND:
+                first = up[ids].topk(ROUND).indices.sort().values
+                vals = self._exact(ids[first], edit)
+                if vals is None:
+                    return None
+                ids = ids[up[ids] >= vals.max()]
+        self.rows.screen.picks += 1
+        self.rows.screen.pick_candidates += len(ids)
+        vals = self._exact(ids, edit)
+        if vals is None or not bool(vals.max() > float("-inf")):
+            return None
+        return int(ids[vals.argmax()])
+
+    # ---- Gumbel-max ----------------------------------------------------------------------------
+
+    def gumbel(self, cfg: SamplingConfig, key: int, pos: int, edit=None) -> int | None:
+        """The token coupling.gumbel_token picks from the full (processed) row under cfg with the
+        noise of (key, pos), or None where the screen cannot decide it (module doc)."""
+        v = self.rows.shape[1]
+        t = cfg.temperature
+        top_k = cfg.top_k if cfg.top_k is not None and cfg.top_k < v else None
+        top_p = cfg.top_p if cfg.top_p is not None and cfg.top_p < 1.0 else None
+        truncated = top_k is not None or top_p is not None
+        if truncated and not SCREEN_TRUNCATED:
+            return None
+        min_p = 0.0 if edit is None else edit.min_p
+        few = self._few(edit)
+        if few is not None:  # every token that can be in the support, exactly
+            vals = self._exact(few, edit)
+            if vals is None:
+                return None
+            self.rows.screen.picks += 1
+            self.rows.screen.pick_candidates += len(few)
+            tau = (min_p_floor((vals / t).max(), min_p),) * 2 if min_p else None
+            return self._pick(few, vals, few, None, t, tau, top_k, top_p, key, pos)
+        bounds = self._bounds(edit)
         if bounds is None:
             return None
+        lo, up = bounds
         self.rows.screen.picks += 1
-        if top_k is None and top_p is None:
-            return self._temperature(bounds, cfg.temperature, key, pos)
-        return self._truncated(bounds, cfg.temperature, top_k, top_p, key, pos)
+        tau = top = None
+        if min_p or truncated:
+            top = (up >= lo.max()).nonzero().flatten().to(torch.int32)  # holds the row's maximum
+            if len(top) > TRUNCATED_COLUMNS:
+                if truncated:
+                    return None
+                top = None  # min_p alone: its floor between those of max lo and of max up
+        if top is not None:
+            vt = self._exact(top, edit)
+            if vt is None:
+                return None
+            lo[top.long()], up[top.long()] = vt, vt  # known exactly now
+            if min_p:
+                tau = (min_p_floor((vt / t).max(), min_p),) * 2  # the full row's: its max x is among top's
+        elif min_p:
+            tau = (min_p_floor(lo.max() / t, min_p), min_p_floor(up.max() / t, min_p))  # fp32 division is monotone
+        if tau is not None:
+            lo.masked_fill_(lo / t < tau[1], float("-inf"))  # lo: only tokens surely kept (x >= lo / T >= the floor)
+            up.masked_fill_(up / t < tau[0], float("-inf"))  # up: tokens surely dropped are out
+        if not truncated:
+            return self._temperature(lo, up, t, tau, key, pos, edit)
+        reach = gumbel_reach(lo, up, t, key, pos, CAP)
+        if reach is None:
+            return None
+        cand = reach[0]
+        ids = torch.unique(torch.cat([cand, top]))  # int32 ascending
+        if len(ids) > TRUNCATED_COLUMNS:
+            return None
+        self.rows.screen.pick_candidates += len(ids)
+        vals = self._exact(ids, edit)
+        if vals is None:
+            return None
+        return self._pick(ids, vals, cand, (lo, up), t, tau, top_k, top_p, key, pos)
 
-    def _temperature(self, bounds: tuple[torch.Tensor, torch.Tensor], temperature: float, key: int, pos: int) -> int | None:
-        reach = gumbel_reach(*bounds, temperature, key, pos, CAP)  # every token whose upper score reaches the best lower one
+    def _temperature(self, lo: torch.Tensor, up: torch.Tensor, temperature: float, tau: tuple | None, key: int,
+                     pos: int, edit) -> int | None:
+        """The untruncated pick over the support {x >= min_p's floor} (every finite token with tau
+        None; tau: bounds on the floor, (lo, hi))."""
+        reach = gumbel_reach(lo, up, temperature, key, pos, CAP)  # every token whose upper score reaches the best lower one
         if reach is None:
             return None
         cand, s_up, _ = reach
@@ -133,39 +255,46 @@ class HeadRow(LazyRow):
         ids = cand.long()
         if len(cand) > ROUND:  # round 1: the ROUND of largest upper score; their best exact score prunes the rest
             first = s_up.topk(ROUND).indices.sort().values
-            vals = self.rows.exact(self.i, cand[first])
-            best = None if vals is None else _c_score(vals, temperature, ids[first], key, pos)
-            if best is None:
+            vals = self._exact(ids[first], edit)
+            if vals is None:
                 return None
-            ids = ids[(s_up >= best).nonzero().flatten()]  # holds every token that can reach the best: the winner
-        vals = self.rows.exact(self.i, ids.to(torch.int32))
+            best = _c_score(_kept(vals, temperature, tau), temperature, ids[first], key, pos)
+            if best is not None:  # (None: none of them surely in the support, nothing pruned)
+                ids = ids[(s_up >= best).nonzero().flatten()]  # holds every token that can reach the best: the winner
+        vals = self._exact(ids, edit)
         if vals is None:
+            return None
+        if tau is not None and bool(((vals / temperature >= tau[0]) & (vals / temperature < tau[1])).any()):
+            return None  # a candidate between the floor's bounds: kept or not, the bounds cannot tell
+        vals = _kept(vals, temperature, tau)
+        if not bool(vals.max() > float("-inf")):
             return None
         return int(ids[pick_entries(vals, ids, key, pos, temperature)])
 
-    def _truncated(self, bounds: tuple[torch.Tensor, torch.Tensor], t: float, top_k: int | None, top_p: float | None,
-                   key: int, pos: int) -> int | None:
-        """The pick over the whole row (as _temperature) if it is surely inside the top-k / top-p
-        support (module doc), else None."""
-        lo, up = bounds
-        reach = gumbel_reach(lo, up, t, key, pos, CAP)
-        if reach is None:
-            return None
-        cand = reach[0]
-        top = (up >= lo.max()).nonzero().flatten().to(torch.int32)  # holds the row's maximum: m exactly
-        ids = torch.unique(torch.cat([cand, top]))  # int32 ascending
-        if len(ids) > TRUNCATED_COLUMNS:
-            return None
-        self.rows.screen.pick_candidates += len(ids)
-        vals = self.rows.exact(self.i, ids)
-        if vals is None:
-            return None
+    def _pick(self, ids: torch.Tensor, vals: torch.Tensor, cand: torch.Tensor, bounds: tuple[torch.Tensor, torch.Tensor] | None,
+              t: float, tau: tuple | None, top_k: int | None, top_p: float | None, key: int, pos: int) -> int | None:
+        """From the exact (processed) logits vals of tokens ids (int32 ascending), which hold cand
+        (every token that can win) and the row's maximum, and bounds for the rest of the row (None:
+        the rest is -inf): the pick over {x >= min_p's floor} (tau: the floor twice, exact) if it is
+        surely inside the top-k / top-p support (module doc), else None."""
+        vals = _kept(vals, t, tau)
         x = vals / t  # x = fl(l / T), as csrc/sampling.c divides
+        if bounds is None and top_k is not None:  # every token known: the top-k set exactly (x >= the k-th largest x)
+            if top_k < len(x):
+                vals = vals.masked_fill(x < x.topk(top_k).values[-1], float("-inf"))
+                x = vals / t
+            top_k = None
         sub = torch.isin(ids, cand).nonzero().flatten()
+        if not bool(vals[sub].max() > float("-inf")):
+            return None
         j = int(sub[pick_entries(vals[sub], ids[sub].long(), key, pos, t)])
         token, xt, m = int(ids[j]), float(x[j]), float(x.max())
+        if top_k is None and top_p is None:
+            return token
         above = x > xt
-        a_up, n_up, _ = nucleus_tail(lo, up, t, xt, m, CUT, ids, want_z=False)  # the rest of the row, from its bounds
+        a_up, n_up = 0.0, 0
+        if bounds is not None:
+            a_up, n_up, _ = nucleus_tail(*bounds, t, xt, m, CUT, ids, want_z=False)  # the rest of the row, from its bounds
         if top_k is not None and int(above.sum()) + n_up >= top_k:  # maybe k tokens strictly above: maybe outside
             return None
         if top_p is None:
@@ -174,13 +303,19 @@ class HeadRow(LazyRow):
         a_up += float(e[above].sum())  # >= the mass strictly above the pick (the normaliser's unit: exp(m))
         if top_k is None:
             z_lo = float(e[x >= m - CUT].sum())  # <= Z: the exact terms first, the rest only where they must
-            if not a_up * (1 + REL) < top_p * z_lo * (1 - REL):
-                z_lo += nucleus_tail(lo, up, t, xt, m, CUT, ids)[2]
+            if not a_up * (1 + REL) < top_p * z_lo * (1 - REL) and bounds is not None:
+                z_lo += nucleus_tail(*bounds, t, xt, m, CUT, ids)[2]
         else:  # Z of the top-k set >= the sum of the k largest lower terms (the i-th largest x >= the i-th largest lower x)
-            xl = (lo / t).index_put_((ids.long(),), x)
-            d = xl.topk(top_k).values.double() - m
+            xl = x if bounds is None else (bounds[0] / t).index_put_((ids.long(),), x)
+            d = xl.topk(min(top_k, len(xl))).values.double() - m
             z_lo = float(d[d >= -CUT].exp().sum())
         return token if a_up * (1 + REL) < top_p * z_lo * (1 - REL) else None
+
+
+def _kept(vals: torch.Tensor, t: float, tau: tuple | None) -> torch.Tensor:
+    """vals with -inf where min_p may drop the token (x = vals / T < the floor's upper bound tau[1],
+    as processors.py compares)."""
+    return vals if tau is None else vals.masked_fill(vals / t < tau[1], float("-inf"))
 
 
 def _c_score(xs: torch.Tensor, temperature: float, ids: torch.Tensor | None, key: int, pos: int) -> float | None:

@@ -32,7 +32,7 @@ from selfspec.verification import coupled_accept, greedy_accept, speculative_acc
 
 # What a verify pass returns for a step's k + 1 positions (Drafter.verify): the rows' argmax
 # tokens (greedy, nothing processed or recorded: Runtime.argmax), the screened head's rows
-# made on use (Gumbel-max picks only: sampled_head.HeadRows), or the logits [k + 1, V] fp32.
+# made on use (picks only, Step.picks_only: sampled_head.HeadRows), or the logits [k + 1, V] fp32.
 VerifyOutput = torch.Tensor | list[int] | HeadRows
 
 # Hears how many of a step's drafts the verifier kept: (step, draft, n) -> None (Drafter.accepted).
@@ -62,10 +62,11 @@ class Targets:
         rows = self.rows
         if step.sampling.greedy:
             return greedy_accept(draft.tokens, Argmaxes(rows) if self.processed else rows)
-        dists = rows.dists(step.sampling) if self.processed else None  # processed rows keep them (the logprobs read them)
-        if step.key is not None:
+        if step.key is not None:  # processed rows keep their distributions when the logprobs read them
+            dists = rows.dists(step.sampling) if self.processed and step.proc.top is not None else None
             return coupled_accept(draft.tokens, GumbelPicks(rows, step.sampling, step.key, step.pos + 1, dists))
-        return speculative_accept(draft.tokens, draft.dists, dists if dists is not None else Rows(rows, step.sampling), step.rng)
+        dists = rows.dists(step.sampling) if self.processed else Rows(rows, step.sampling)
+        return speculative_accept(draft.tokens, draft.dists, dists, step.rng)
 
     def commit(self, step: Step, tokens: list[int]) -> list[TokenLogprob] | None:
         """The step's accepted drafts and next token join the processors' state; -> their

@@ -5,7 +5,11 @@ them, from the code before the screen existed.
 
 Tiny models with a 2048-token vocabulary (a head the screen can leave mostly unread), fp32 and
 bf16, every sampling shape (temperature alone, top-k, top-p, both, a processor and min_p), the
-strategies whose verify rows the screen reads, solo and in generate_batch."""
+strategies whose verify rows the screen reads, solo and in generate_batch. The processed rows
+(issue 55's second part: min_p alone, penalties with top-p and min_p, a logit bias with top-k,
+greedy with penalties and a bias) and a grammar model (tests/test_grammar.py's, a 320-token BPE
+vocabulary: regex, Lark and JSON schema, greedy and seeded) were stored later, from the code before
+processed rows went through the screen, with SELFSPEC_EXACT_PICKS=1 and SELFSPEC_EXACT_HEAD=1."""
 
 from __future__ import annotations
 
@@ -34,6 +38,12 @@ SAMPLINGS = [
     dict(temperature=0.8, top_p=0.95, seed=24),
     dict(temperature=1.1, top_k=50, top_p=0.9, seed=25),
     dict(temperature=0.9, repetition_penalty=1.3, min_p=0.05, seed=26),
+    # processed rows through the screen (stored later, before they were: module doc)
+    dict(temperature=1.0, min_p=0.1, seed=27),
+    dict(temperature=0.8, top_p=0.9, min_p=0.05, presence_penalty=0.5, frequency_penalty=0.3, seed=28),
+    dict(temperature=0.7, top_k=30, logit_bias={5: 4.0, 9: -100.0, 700: 2.5}, seed=29),
+    dict(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.4, logit_bias={5: 1.5}),
+    dict(temperature=1.2, top_k=50, min_p=0.2, repetition_penalty=1.2, seed=30),
 ]
 STRATEGIES = {
     "autoregressive": dict(strategy="autoregressive"),
@@ -45,9 +55,19 @@ STRATEGIES = {
 BATCH_STRATEGY = "quantized"
 # the default model (slow tests): the OpenAI default and the issue's shapes, real prompts
 DEFAULT_SAMPLINGS = [dict(temperature=1.0, seed=31), dict(temperature=0.8, top_p=0.95, seed=32),
-                     dict(temperature=0.8, top_k=40, seed=33)]
+                     dict(temperature=0.8, top_k=40, seed=33),
+                     dict(temperature=0.8, top_p=0.95, min_p=0.05, repetition_penalty=1.1, seed=34),
+                     dict(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.2)]
 DEFAULT_STRATEGIES = ("autoregressive", "auto")
 DEFAULT_N_NEW = 32
+
+
+# the grammar model (tests/test_grammar.py's tokenizer and model): grammar x sampling x strategy
+GRAMMAR_SAMPLINGS = [dict(), dict(temperature=1.0, seed=41), dict(temperature=0.8, top_p=0.9, min_p=0.05, seed=42)]
+GRAMMAR_STRATEGIES = {"autoregressive": dict(strategy="autoregressive"), "prompt-lookup": dict(strategy="prompt-lookup"),
+                      "layer-skip": dict(strategy="layer-skip", skip_mlp=(1, 2)), "quantized": dict(strategy="quantized")}
+GRAMMAR_KINDS = ("regex", "lark", "json_schema", "wide")  # wide: most of the vocabulary allowed at every position
+GRAMMAR_N_NEW = 60
 
 
 def prompts() -> list[list[int]]:
@@ -76,6 +96,34 @@ def tiny_outputs(model) -> dict:
     return out
 
 
+def grammar_model():
+    """(tokenizer, model): tests/test_grammar.py's llama over its BPE tokenizer."""
+    from test_grammar import bpe_tokenizer
+
+    tok = bpe_tokenizer()
+    return tok, selfspec.load(helpers.build_hf("llama", vocab_size=len(tok)), dtype="float32", tokenizer=tok)
+
+
+def grammar_outputs(tok, model) -> dict:
+    """{"<grammar>|<strategy>|<sampling index>": token ids, "batch|<grammar>|<s>": [ids per prompt]}."""
+    from test_grammar import GRAMMARS
+
+    from selfspec.config import Grammar
+
+    grammars = {**GRAMMARS, "wide": Grammar("regex", "[a-z ]{10,40}\\.")}
+    ps = [tok("the cat").input_ids, tok("the dog").input_ids]
+    out = {}
+    for kind in GRAMMAR_KINDS:
+        for name, kw in GRAMMAR_STRATEGIES.items():
+            for si, s in enumerate(GRAMMAR_SAMPLINGS):
+                out[f"{kind}|{name}|{si}"] = model.generate(ps[0], max_new_tokens=GRAMMAR_N_NEW, grammar=grammars[kind], **s,
+                                                            **kw).token_ids
+        for si, s in enumerate(GRAMMAR_SAMPLINGS):
+            got = model.generate_batch(ps, max_new_tokens=GRAMMAR_N_NEW, grammar=grammars[kind], **s, **GRAMMAR_STRATEGIES["quantized"])
+            out[f"batch|{kind}|{si}"] = [r.token_ids for r in got]
+    return out
+
+
 def default_outputs(model) -> dict:
     out = {}
     for name in DEFAULT_STRATEGIES:
@@ -90,6 +138,8 @@ def main(argv: list[str]) -> None:
     data = json.loads(DATA.read_text()) if DATA.exists() else {}
     if "tiny" in argv:
         data["tiny"] = {f"{a}|{d}": tiny_outputs(tiny_model(helpers.load_tiny, a, d)) for a in ARCHS for d in DTYPES}
+    if "grammar" in argv:
+        data["grammar"] = grammar_outputs(*grammar_model())
     if "default" in argv:
         data["default_bf16"] = default_outputs(selfspec.load("gemma-3-270m", dtype="bfloat16"))
     DATA.parent.mkdir(exist_ok=True)

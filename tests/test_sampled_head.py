@@ -2,21 +2,28 @@
 unscreened pick's on adversarial rows (ties, near-ties at the screen's precision, all-equal
 logits, one huge logit, top-k boundaries), a bound made too tight is caught, and seeded outputs
 of every strategy, solo and batched, are the stored texts of plain, unscreened decoding
-(tests/data/seeded_outputs.json, written by the code before the screen: seeded_cases.py)."""
+(tests/data/seeded_outputs.json, written by the code before the screen: seeded_cases.py).
+Processed rows (processors.ProcessedRow: penalties, logit_bias, min_p, a grammar's mask; greedy
+and sampled): the screened pick, where it decides, is the full processed row's on the same
+adversarial rows, with a min_p boundary exactly on a token, penalties and a +100 bias that make a
+token the screen would leave out the winner, a grammar allowing one token or only tokens far
+outside the screen's candidates."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 
 import seeded_cases
 from selfspec import kernels, sampled_head
-from selfspec.config import SamplingConfig
+from selfspec.config import GenerationConfig, LogitBias, SamplingConfig
 from selfspec.coupling import gumbel_noise, gumbel_token
 from selfspec.greedy_head import ScreenedHead, screened_head
 from selfspec.kernels.screen import exp_bound, gumbel_reach, nucleus_tail, screen_bounds
+from selfspec.processors import Processing, ProcessedRow, min_p_floor
 
 from test_greedy_head import LAYOUTS, _full, _head, _rows
 from test_kernels import needs_kernels
@@ -142,12 +149,32 @@ def _force_screen(model) -> ScreenedHead:
     return rt._screened
 
 
+def _count_processed(monkeypatch) -> dict:
+    """Counts of processed rows (an edit) the screen decided, greedy and sampled."""
+    seen = {"argmax": 0, "gumbel": 0}
+    argmax, gumbel = sampled_head.HeadRow.argmax, sampled_head.HeadRow.gumbel
+
+    def counted(name, fn):
+        def f(self, *a, **kw):
+            out = fn(self, *a, **kw)
+            at = 3 if name == "gumbel" else 0  # gumbel(cfg, key, pos, edit), argmax(edit)
+            edit = a[at] if len(a) > at else kw.get("edit")
+            seen[name] += out is not None and edit is not None
+            return out
+        return f
+    monkeypatch.setattr(sampled_head.HeadRow, "argmax", counted("argmax", argmax))
+    monkeypatch.setattr(sampled_head.HeadRow, "gumbel", counted("gumbel", gumbel))
+    return seen
+
+
 @pytest.mark.parametrize("arch", seeded_cases.ARCHS)
 def test_seeded_outputs_are_the_stored_unscreened_texts(zoo, monkeypatch, arch):
     """Every strategy x sampling x prompt, solo and in generate_batch, with the screened pick (top-k
-    screened too), gives the tokens stored from plain decoding before the screen existed."""
+    screened too; processed rows too: penalties, bias, min_p, greedy with processors), gives the
+    tokens stored from plain decoding before the screen existed."""
     stored = json.loads(seeded_cases.DATA.read_text())["tiny"]
     monkeypatch.setattr(sampled_head, "SCREEN_TRUNCATED", True)
+    processed = _count_processed(monkeypatch)
     for dtype in seeded_cases.DTYPES:
         model = seeded_cases.tiny_model(zoo.get, arch, dtype)
         sh = _force_screen(model)
@@ -160,6 +187,34 @@ def test_seeded_outputs_are_the_stored_unscreened_texts(zoo, monkeypatch, arch):
         bad = [k for k in want if got[k] != want[k]]
         assert not bad, (dtype, bad[:5])
         assert sh.picks > 100 and sh.pick_full < sh.picks  # the screen decided the rows it could
+    print("processed rows the screen decided:", processed)
+    assert processed["argmax"] > 50 and processed["gumbel"] > 200, processed
+
+
+_grammar_models: list = []
+
+
+@pytest.mark.parametrize("few", [0, 512])
+def test_grammar_outputs_are_the_stored_unscreened_texts(monkeypatch, few):
+    """Under grammars (a regex, Lark, a JSON schema, a wide regex), greedy and seeded, every strategy
+    the screen reads and generate_batch: the stored tokens of plain decoding. few: sampled_head.FEW
+    (0: every row through the screen; 512: the allowed tokens' exact columns where they are few)."""
+    stored = json.loads(seeded_cases.DATA.read_text())["grammar"]
+    monkeypatch.setattr(sampled_head, "FEW", few)
+    processed = _count_processed(monkeypatch)
+    if not _grammar_models:
+        _grammar_models.extend(seeded_cases.grammar_model())
+    tok, model = _grammar_models
+    sh = _force_screen(model)
+    try:
+        got = seeded_cases.grammar_outputs(tok, model)
+    finally:
+        model.runtime._screened = None
+    assert got.keys() == stored.keys()
+    bad = [k for k in stored if got[k] != stored[k]]
+    assert not bad, bad[:5]
+    print("processed rows the screen decided:", processed)
+    assert processed["argmax"] > 50 and processed["gumbel"] > 100, processed
 
 
 @pytest.mark.slow
@@ -170,3 +225,180 @@ def test_default_model_seeded_outputs_are_the_stored_ones(default_model_bf16):
     got = seeded_cases.default_outputs(default_model_bf16)
     assert got == stored
     assert sh.picks > picks
+
+
+# ---- processed rows (processors.ProcessedRow through HeadRow.gumbel / argmax) ----------------
+
+
+class _Mask:
+    """A grammar matcher allowing a fixed set of tokens (what Processing asks of one)."""
+
+    def __init__(self, allowed: torch.Tensor):
+        self.mask = allowed
+
+    def allowed(self, drafted=()):
+        return self.mask
+
+    def commit(self, tokens):
+        pass
+
+
+HISTORY = [1499, 1200, 333, 7, 650, 12, 1200]  # generated so far (1200 twice): low, tied and mid tokens
+PROMPT = [5, 900, 1100]
+DRAFTED = [1499, 41]
+
+
+def _processing(cfg: SamplingConfig, v: int, allowed: torch.Tensor | None = None) -> Processing:
+    proc = Processing(cfg, GenerationConfig(), PROMPT, v, matcher=None if allowed is None else _Mask(allowed))
+    proc.commit(HISTORY)
+    return proc
+
+
+def _processed(head, x, cfg: SamplingConfig, allowed=None, drafted=DRAFTED, keys=range(8), pos0=50) -> tuple[list, list]:
+    """Per row (and key): (the screened pick, None where it leaves the row to the full head; the
+    full processed row's pick: its argmax when greedy). allowed: a mask, or a function of the full
+    row (a per-row grammar)."""
+    sh = ScreenedHead.make(head)
+    rows = sampled_head.HeadRows(x, sh, lambda x: _full(x, head))
+    full = _full(x, head)
+    got, want = [], []
+    for i in range(x.shape[0]):
+        proc = _processing(cfg, full.shape[1], allowed(full[i]) if callable(allowed) else allowed)
+        lazy = ProcessedRow(proc, rows[i], list(drafted))
+        z = proc.row(full[i], list(drafted))
+        if cfg.greedy:
+            got.append(rows[i].argmax(lazy))
+            want.append(int(z.argmax()))
+            assert lazy.argmax() == want[-1]
+            continue
+        for key in keys:
+            got.append(rows[i].gumbel(cfg, key, pos0 + i, lazy))
+            want.append(gumbel_token(z, cfg, key, pos0 + i))
+            assert gumbel_token(lazy, cfg, key, pos0 + i) == want[-1]
+    return got, want
+
+
+def _same_where_decided(got, want, least: float, what):
+    assert all(g is None or g == w for g, w in zip(got, want)), (what, [(g, w) for g, w in zip(got, want) if g is not None and g != w][:4])
+    assert sum(g is not None for g in got) >= least * len(got), (what, sum(g is not None for g in got), len(got))
+
+
+def _bias(d: dict) -> LogitBias:
+    return LogitBias.parse(d)
+
+
+PROCESSED_CFGS = [
+    SamplingConfig(temperature=1.0, min_p=0.1), SamplingConfig(temperature=0.8, min_p=0.05, top_p=0.9),
+    SamplingConfig(temperature=0.7, min_p=0.3, top_k=5), SamplingConfig(temperature=0.05, min_p=0.5),
+    SamplingConfig(temperature=3.0, min_p=0.9),
+    SamplingConfig(temperature=1.0, repetition_penalty=1.5, presence_penalty=0.7, frequency_penalty=0.4),
+    SamplingConfig(temperature=0.8, repetition_penalty=0.1),  # seen tokens' positive logits x10: one of them wins
+    SamplingConfig(temperature=1.0, presence_penalty=-2.0, frequency_penalty=-2.0, top_p=0.95),  # generated ones lifted
+    SamplingConfig(temperature=1.0, logit_bias=_bias({1499: 100.0})),  # a token the screen leaves out, forced
+    SamplingConfig(temperature=0.8, top_p=0.9, logit_bias=_bias({7: -100.0, 3: -100.0, 333: 100.0, 1300: 6.0})),
+    SamplingConfig(temperature=1.3, top_k=40, min_p=0.02, repetition_penalty=1.3, logit_bias=_bias({650: 3.0})),
+    SamplingConfig(temperature=0.0, repetition_penalty=0.1), SamplingConfig(temperature=0.0, logit_bias=_bias({1499: 100.0})),
+    SamplingConfig(temperature=0.0, presence_penalty=-2.0, frequency_penalty=-2.0, repetition_penalty=1.4),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_processed_adversarial_rows_pick_the_exact_token(layout, dtype):
+    if layout == "pairs" and dtype != torch.bfloat16:
+        pytest.skip("the pair layout is bf16 only")
+    head, x = _adversarial(128, 1500, dtype, layout)
+    for cfg in PROCESSED_CFGS:
+        got, want = _processed(head, x, cfg)
+        _same_where_decided(got, want, 0.6, cfg)
+        if cfg.logit_bias is not None and 1499 in dict(cfg.logit_bias.items) and cfg.logit_bias.items[-1][1] == 100.0:
+            assert want.count(1499) >= len(want) // 2  # the bias does make it win (not over the 1e3-scaled column 500)
+
+
+def _boundary_min_ps(xs: torch.Tensor, j: int) -> list[float]:
+    """min_p values whose floor (processors.min_p_floor of xs's max) is exactly xs's j-th largest
+    value, and one fp32 step either side of it (where they exist)."""
+    s = xs.sort(descending=True).values
+    xm, xj = s[0], s[j]
+    targets = {float(xj), float(xj.nextafter(torch.tensor(float("inf")))), float(xj.nextafter(torch.tensor(-float("inf"))))}
+    p0 = math.exp(float(xj) - float(xm))
+    out = set()
+    for k in range(-400, 401):
+        p = p0 * (1 + k * 2.0**-28)
+        if 0.0 < p < 1.0 and float(min_p_floor(xm, p)) in targets:
+            out.add(p)
+    return sorted(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_min_p_boundary_on_a_token(dtype):
+    """min_p set so that the kept set ends exactly on a token (x_j == max x + ln min_p in fp32) and one
+    fp32 step either side: the screen's bounds cannot tell, the exact values must."""
+    head, x = _adversarial(128, 1500, dtype, "packed")
+    full = _full(x, head)
+    seen = 0
+    for i in (0, 2, 3, 5):
+        for t in (1.0, 0.8):
+            for j in (1, 2, 5, 40):
+                for p in _boundary_min_ps(full[i] / t, j):
+                    seen += 1
+                    for extra in ({}, dict(top_p=0.9), dict(top_k=3)):
+                        cfg = SamplingConfig(temperature=t, min_p=p, **extra)
+                        got, want = _processed(head, x[i : i + 1], cfg, drafted=(), keys=range(6), pos0=7 + i)
+                        _same_where_decided(got, want, 0.0 if extra else 1.0, (i, t, j, p, extra))
+    assert seen >= 20
+
+
+@pytest.mark.parametrize("few", [0, 512, 2000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grammar_rows(monkeypatch, dtype, few):
+    """A grammar's mask: one token allowed; only tokens far outside the screen's candidates (each
+    row's 700 lowest logits); half the vocabulary. few: sampled_head.FEW (0: always through the
+    screen; 2000: always exact columns of the allowed tokens)."""
+    monkeypatch.setattr(sampled_head, "FEW", few)
+    head, x = _adversarial(128, 1500, dtype, "packed")
+    one = torch.zeros(1500, dtype=torch.bool)
+    one[1234] = True
+    half = torch.arange(1500) % 2 == 1
+    masks = {"one": one, "low": lambda row: torch.zeros(1500, dtype=torch.bool).index_fill_(0, row.argsort()[:700], True),
+             "half": half}
+    for name, allowed in masks.items():
+        for cfg in (SamplingConfig(temperature=0.0), SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.8, top_p=0.9),
+                    SamplingConfig(temperature=0.9, top_k=20, min_p=0.05), SamplingConfig(temperature=0.7, min_p=0.2),
+                    SamplingConfig(temperature=1.0, logit_bias=_bias({1234: 100.0, 2: 5.0}), presence_penalty=1.0),
+                    SamplingConfig(temperature=0.0, logit_bias=_bias({1234: -100.0, 1: 100.0}))):
+            got, want = _processed(head, x, cfg, allowed=allowed, keys=range(4))
+            if name == "one":
+                assert set(want) == {1234}
+            # a flat row's whole-row pick often falls outside a top-k / top-p support: the full head decides those
+            _same_where_decided(got, want, 0.9 if cfg.top_k is None and cfg.top_p is None else 0.3, (name, cfg))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gumbel_reach_is_its_definition(threads):
+    """csrc/gumbel.c's reach pass (32 entries per block, four tokens a Philox counter) against its
+    definition in torch: thr = max fl(fl(lo / T) + g), the set {fl(fl(up / T) + g) >= thr} in
+    order with those upper scores; lengths off the block size, -inf entries, rows dense near the
+    top and rows where a few tokens stand out."""
+    g = torch.Generator().manual_seed(11)
+    for n in (5003, 70001, 262144):
+        for shape in ("dense", "peaked"):
+            x = torch.randn(n, generator=g) * (1.0 if shape == "dense" else 4.0)
+            if shape == "peaked":
+                x[torch.randint(0, n, (20,), generator=g)] += 25.0
+            w = torch.rand(n, generator=g) * 3
+            lo, up = x - w, x + w
+            lo[:: 97] = float("-inf")
+            up[:: 97] = float("-inf")
+            for t in (1.0, 0.7):
+                for key, pos in ((3, 17), (2**63 + 5, 2**33 + 1)):
+                    got = gumbel_reach(lo, up, t, key, pos, 4096, threads=threads)
+                    noise = gumbel_noise(key, pos, torch.arange(n))
+                    sl, su = (lo / t) + noise, (up / t) + noise
+                    thr = float(sl.max())
+                    want = (su >= thr).nonzero().flatten()
+                    if len(want) > 4096:
+                        assert got is None
+                        continue
+                    assert got is not None and got[0].tolist() == want.tolist() and torch.equal(got[1], su[want]), (n, shape, t)
+                    assert got[2] == thr

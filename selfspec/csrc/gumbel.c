@@ -123,9 +123,9 @@ static inline u64x8 mul32(u64x8 a, uint32_t m) {
 #endif
 }
 
-/* Philox4x32-10 of 8 counters (c0, plo, phi, DOMAIN), 32-bit words in 64-bit lanes: the word
- * t % 4 of each */
-static inline u32x8 bits_v(uint32_t k0, uint32_t k1, uint32_t plo, uint32_t phi, u64x8 c0, u64x8 word) {
+/* Philox4x32-10 of 8 counters (c0, plo, phi, DOMAIN), 32-bit words in 64-bit lanes: all four
+ * words of each into w[0..3] */
+static inline void philox_v(uint32_t k0, uint32_t k1, uint32_t plo, uint32_t phi, u64x8 c0, u64x8 w[4]) {
     const uint64_t lo32 = 0xFFFFFFFFu;
     u64x8 c1 = c0 * 0 + plo, c2 = c0 * 0 + phi, c3 = c0 * 0 + DOMAIN;
 #pragma GCC unroll 10
@@ -137,8 +137,16 @@ static inline u32x8 bits_v(uint32_t k0, uint32_t k1, uint32_t plo, uint32_t phi,
         c3 = p0 & lo32;
         k0 += PH_W0; k1 += PH_W1;
     }
+    w[0] = c0; w[1] = c1; w[2] = c2; w[3] = c3;
+}
+
+/* Philox4x32-10 of 8 counters (c0, plo, phi, DOMAIN), 32-bit words in 64-bit lanes: the word
+ * t % 4 of each */
+static inline u32x8 bits_v(uint32_t k0, uint32_t k1, uint32_t plo, uint32_t phi, u64x8 c0, u64x8 word) {
+    u64x8 c[4];
+    philox_v(k0, k1, plo, phi, c0, c);
     u64x8 w0 = (u64x8)(word == 0), w1 = (u64x8)(word == 1), w2 = (u64x8)(word == 2);
-    return __builtin_convertvector((c0 & w0) | (c1 & w1) | (c2 & w2) | (c3 & ~(w0 | w1 | w2)), u32x8);
+    return __builtin_convertvector((c[0] & w0) | (c[1] & w1) | (c[2] & w2) | (c[3] & ~(w0 | w1 | w2)), u32x8);
 }
 
 /* 8 tokens of tokens[i..n) as counters and words (lanes past n: token 0) */
@@ -277,7 +285,10 @@ static long keep_reaching(int32_t *out, float *us, long n, float thr) {
  * most cap) and su_j into us; *thr_out = thr. One pass: thr runs up as lower scores are seen
  * (every value it takes is some sl_j, so at most the final thr), and an entry is dropped only
  * when its upper score is surely below the running thr: fl(x + GMAX) < thr, or its bits bound
- * its noise below thr - x (may_reach). The token of the largest sl is never dropped (its su >=
+ * its noise below thr - x (may_reach). On a language model's row most of the vocabulary is within
+ * GMAX of thr, so the pass takes 32 entries at a time, the four words of each of 8 Philox
+ * counters (the four tokens of a counter share its one call; a block with no entry within GMAX
+ * makes none); i0 is a multiple of 4. The token of the largest sl is never dropped (its su >=
  * sl >= any running thr), so thr ends at max sl and the set is exactly {su >= max sl}, however
  * the entries are split among threads (each runs its share [i0, n), then csrc/screen.c's
  * selfspec_gumbel_reach merges the shares: gumbel.c builds alone, without the pool).
@@ -287,59 +298,65 @@ long selfspec_gumbel_reach_range(const float *lo, const float *up, long i0, long
                         float *us, long cap, float *thr_out) {
     int div = T != 1.0f;
     nkey_t k = key_of(seed, pos);
-    float m = -INFINITY;
-    long jm = -1;
     *thr_out = -INFINITY;
-    for (long i = i0; i < n; i++) {  /* the first bound: the lower score of the largest lo */
-        float x = div ? lo[i] / T : lo[i];
-        if (x > m && x < INFINITY) { m = x; jm = i; }
+    vf16 vm = vf_set1(-INFINITY), vinf = vf_set1(INFINITY), vT0 = vf_set1(T);
+    for (long i = i0; i < n; i += 16) {  /* the first bound: the lower score of the largest lo (its first entry) */
+        m16 mk = lanes16(n - i);
+        vf16 x = vf_mask_loadu(vf_set1(-INFINITY), mk, lo + i);
+        if (div) x = vf_div(x, vT0);
+        vm = vf_mask_max(vm, vf_cmp_gt(vinf, x) & mk, vm, x);
     }
+    float m = vf_reduce_max(vm);
+    long jm = -1;
+    for (long i = i0; m > -INFINITY && i < n; i++)
+        if ((div ? lo[i] / T : lo[i]) == m) { jm = i; break; }
     if (jm < 0) return -1;
     int64_t t0 = jm;
     float g0;
     selfspec_gumbel_noise(seed, pos, &t0, 1, &g0);
     float thr = m + g0;
-    int32_t *ent = (int32_t *)malloc(sizeof(int32_t) * (CHUNK + 16));
-    float *xs = (float *)malloc(sizeof(float) * (CHUNK + 16));
-    int64_t *tok = (int64_t *)malloc(sizeof(int64_t) * 8);
-    if (!ent || !xs || !tok) { free(ent); free(xs); free(tok); return -2; }
-    vf16 vT = vf_set1(T), vg = vf_set1(GMAX);
-    long found = 0, c = 0;
-    for (long i = i0; i < n; i += 16) {
-        m16 mk = lanes16(n - i);
-        vf16 x = vf_mask_loadu(vf_set1(-INFINITY), mk, up + i);
-        if (div) x = vf_div(x, vT);
-        m16 in = vf_cmp_ge(vf_add(x, vg), vf_set1(thr)) & mk;
-        if (in) c += vf_compress_store(xs + c, ent + c, in, x, (int32_t)i);
-        if (!c || (c < CHUNK && i + 16 < n)) continue;
-        for (long j = 0; j < c; j += 8) {
-            long w = c - j < 8 ? c - j : 8;
-            f32x8 xu = fill(-INFINITY), xl = fill(-INFINITY);
-            for (long q = 0; q < w; q++) {
-                tok[q] = ent[j + q];
-                xu[q] = xs[j + q];
-                xl[q] = div ? lo[ent[j + q]] / T : lo[ent[j + q]];
-            }
-            for (long q = w; q < 8; q++) tok[q] = 0;
-            u64x8 c0, word;
-            load_tokens(tok, 0, 8, &c0, &word);
-            u32x8 bits = bits_v(k.k0, k.k1, k.plo, k.phi, c0, word);
-            i32x8 live = may_reach(xu, bits, thr);
+    long found = 0;
+    f32x8 vg = fill(GMAX);
+    for (long i = i0; i < n; i += 32) {  /* 32 entries: the 4 words of 8 Philox counters (i / 4 + l, l < 8) */
+        f32x8 xu[4], xl[4];
+        i32x8 in[4], any = {0};
+        for (int q = 0; q < 4; q++) {
+            xu[q] = fill(-INFINITY);
+            xl[q] = fill(-INFINITY);
+            long b = i + 8 * q;
+            if (b + 8 <= n) { memcpy(&xu[q], up + b, sizeof(f32x8)); memcpy(&xl[q], lo + b, sizeof(f32x8)); }
+            else for (long e = 0; b + e < n; e++) { xu[q][e] = up[b + e]; xl[q][e] = lo[b + e]; }
+            if (div) { xu[q] = xu[q] / T; xl[q] = xl[q] / T; }
+            in[q] = (xu[q] + vg >= thr) & (xu[q] > -INFINITY);  /* not surely below thr: fl(x + GMAX) >= thr */
+            any |= in[q];
+        }
+        if (!(any[0] | any[1] | any[2] | any[3] | any[4] | any[5] | any[6] | any[7])) continue;
+        u64x8 c0;
+        for (int l = 0; l < 8; l++) c0[l] = ((uint64_t)(i >> 2) + l) & 0xFFFFFFFFu;
+        u64x8 w[4];
+        philox_v(k.k0, k.k1, k.plo, k.phi, c0, w);
+        u32x8 w0 = __builtin_convertvector(w[0], u32x8), w1 = __builtin_convertvector(w[1], u32x8),
+              w2 = __builtin_convertvector(w[2], u32x8), w3 = __builtin_convertvector(w[3], u32x8);
+        /* to token order: entry i + 4 l + word */
+        u32x8 a01 = __builtin_shufflevector(w0, w1, 0, 8, 1, 9, 2, 10, 3, 11), a23 = __builtin_shufflevector(w2, w3, 0, 8, 1, 9, 2, 10, 3, 11);
+        u32x8 b01 = __builtin_shufflevector(w0, w1, 4, 12, 5, 13, 6, 14, 7, 15), b23 = __builtin_shufflevector(w2, w3, 4, 12, 5, 13, 6, 14, 7, 15);
+        u32x8 bits[4] = {__builtin_shufflevector(a01, a23, 0, 1, 8, 9, 2, 3, 10, 11), __builtin_shufflevector(a01, a23, 4, 5, 12, 13, 6, 7, 14, 15),
+                         __builtin_shufflevector(b01, b23, 0, 1, 8, 9, 2, 3, 10, 11), __builtin_shufflevector(b01, b23, 4, 5, 12, 13, 6, 7, 14, 15)};
+        for (int q = 0; q < 4; q++) {
+            i32x8 live = in[q] & may_reach(xu[q], bits[q], thr);
             if (!(live[0] | live[1] | live[2] | live[3] | live[4] | live[5] | live[6] | live[7])) continue;
-            f32x8 g = gumbel_v(bits), su = xu + g, sl = xl + g;
-            for (long q = 0; q < w; q++) {
-                if (!live[q]) continue;
-                if (sl[q] > thr) thr = sl[q];
-                if (su[q] < thr) continue;
+            f32x8 g = gumbel_v(bits[q]), su = xu[q] + g, sl = xl[q] + g;
+            for (int e = 0; e < 8; e++) {
+                if (!live[e]) continue;
+                if (sl[e] > thr) thr = sl[e];
+                if (su[e] < thr) continue;
                 if (found == cap) found = keep_reaching(out, us, found, thr);
-                if (found == cap) { free(ent); free(xs); free(tok); return cap + 1; }
-                out[found] = ent[j + q];
-                us[found++] = su[q];
+                if (found == cap) return cap + 1;
+                out[found] = (int32_t)(i + 8 * q + e);
+                us[found++] = su[e];
             }
         }
-        c = 0;
     }
-    free(ent); free(xs); free(tok);
     *thr_out = thr;
     return keep_reaching(out, us, found, thr);
 }

@@ -55,9 +55,12 @@ class Step:
 
     @property
     def picks_only(self) -> bool:
-        """Verification needs the Gumbel-max picks only (seeded coupling, nothing processed or
-        recorded): the rows may come through the screened head (sampled_head.py)."""
-        return not self.sampling.greedy and self.key is not None and self.proc is None
+        """Verification needs each row's pick only, not the row: its Gumbel-max token (seeded
+        coupling) or, with processors, its argmax (greedy); no logprobs recorded. The rows may then
+        come through the screened head (sampled_head.py), processed there (processors.ProcessedRow)."""
+        if self.proc is not None and self.proc.top is not None:
+            return False
+        return self.proc is not None if self.sampling.greedy else self.key is not None
 
     @property
     def drafts_processed(self) -> bool:

@@ -64,7 +64,7 @@ class EarlyExitDrafter(TokenDrafter):
             self._exits_written(self._exit_h[-1], step.pos + j)
         h = torch.cat(self._exit_h)  # [k+1, H]
         h = self.rt.run_layers(h, self.exit, self.rt.num_layers, step.pos, step.cache)
-        return self.rt.argmax(h) if step.argmax_only else self.rt.logits(h)
+        return self.rt.head_output(h, step.argmax_only, step.picks_only)
 
     def _exits_written(self, h: torch.Tensor, pos: int) -> None:
         pass
