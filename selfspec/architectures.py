@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from selfspec.errors import SelfSpecError
 from selfspec.kernels.weights import chunk_rows, release_freed
@@ -163,7 +164,6 @@ def _inv_freq(config, params: dict, layer_type: str | None) -> tuple[torch.Tenso
     """(inv_freq [D/2], attention scaling) as the rotary module's __init__ makes them."""
     rope_type = params.get("rope_type", "default")
     if rope_type != "default":
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
         return ROPE_INIT_FUNCTIONS[rope_type](config, None, layer_type=layer_type)
     base = params["rope_theta"]  # the modules' compute_default_rope_parameters
     dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -93,6 +93,13 @@ def runtime(spec, sd, config, dtype, torch_dtype: torch.dtype, device: str) -> R
     return Runtime.from_state_dict(spec, sd, config, torch_dtype, device)
 
 
+def weight_columns(rt: Runtime, i: int, name: str, n: int) -> torch.Tensor:
+    """The first n columns of rt.weight(i, name): [in, n], over blocks without dequantizing the rest
+    (a probe: model.fingerprint)."""
+    w = rt.layers[i][name]
+    return w.columns(torch.arange(min(n, w.out_features))) if isinstance(w, GGMLWeight) else rt.weight(i, name)[:, :n]
+
+
 def _blocks(sd: GGUFCheckpoint, names: list[str]) -> GGMLWeight:
     parts = [sd.blocks(n) for n in names]
     return GGMLWeight(parts, sd.block_info(names[0]).shape[1])
@@ -153,10 +160,6 @@ class GGMLRuntime(Runtime):
     def weight(self, i: int, name: str) -> torch.Tensor:
         w = self.layers[i][name]
         return w.dequantize() if isinstance(w, GGMLWeight) else w
-
-    def weight_columns(self, i: int, name: str, n: int) -> torch.Tensor:
-        w = self.layers[i][name]
-        return w.columns(torch.arange(min(n, w.out_features))) if isinstance(w, GGMLWeight) else w[:, :n]
 
     def step_token(self, *args, **kwargs):
         return None  # the fused draft step reads a bf16/fp32 embedding: the per-layer path instead

@@ -85,7 +85,8 @@ def fingerprint(spec: ModelSpec, runtime: Runtime) -> str:
     """A short id of the weights and shape, the same for float32 and bfloat16 loads."""
     h = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True, default=str).encode())
     probes = [runtime.head_columns(torch.arange(min(64, spec.vocab_size), device=runtime.device)),
-              runtime.weight_columns(0, "wqkv", 64), runtime.weight_columns(spec.num_layers - 1, "w_down", 64)]
+              ggml_weights.weight_columns(runtime, 0, "wqkv", 64),
+              ggml_weights.weight_columns(runtime, spec.num_layers - 1, "w_down", 64)]
     for t in probes:
         h.update(t.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
     return h.hexdigest()[:16]

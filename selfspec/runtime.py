@@ -245,10 +245,6 @@ class Runtime:
         w = self.layers[i][name]
         return w.unpack() if isinstance(w, kernels.PackedWeight) else w
 
-    def weight_columns(self, i: int, name: str, n: int) -> torch.Tensor:
-        """The first n columns of weight(i, name): [in, n] (a probe: fingerprints)."""
-        return self.weight(i, name)[:, :n]
-
     def prepare_weight(self, w: torch.Tensor):
         """A [in, out] weight in the layout self._mm is fastest with (packed for the kernel:
         contiguous 64-column tiles, bf16 pairs for VDPBF16PS where the CPU has it)."""
@@ -429,11 +425,8 @@ class Runtime:
             x = kernels.norm_rows(h, self.final_norm, self.spec.rms_norm_eps)
             out = self._mm(x, self.head if head is None else head).float()
             return kernels.softcap_(out, cap) if cap else out
-        x = self.rms_norm(h, self.final_norm)
-        out = self._mm(x, self.head if head is None else head).float()
-        if cap:
-            out = torch.tanh(out / cap) * cap
-        return out
+        out = self._mm(self.rms_norm(h, self.final_norm), self.head if head is None else head).float()
+        return torch.tanh(out / cap) * cap if cap else out
 
     def argmax(self, h: torch.Tensor) -> list[int]:
         """Greedy: the argmax token of each row of h [T, H] under the full head (first index on
