@@ -265,7 +265,7 @@ def load_tokenizer(path: Path, d: Path):
         d.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{d.name}.tmp-", dir=d.parent))
         tok.save_pretrained(str(tmp))
-        init = {**{k: str(v) for k, v in tok.special_tokens_map.items() if isinstance(v, str)},
+        init = {**{k: v for k, v in tok.special_tokens_map.items() if isinstance(v, str)},
                 **{k: getattr(tok, k) for k in _KEPT if getattr(tok, k, None) is not None}}
         (tmp / _MARKER).write_text(json.dumps({"version": _TOKENIZER_VERSION, "source": str(path), "init": init}))
         if d.exists():
