@@ -251,6 +251,16 @@ static inline __m256i legacy_values(int type, const uint8_t *b) {
     return _mm256_sub_epi8(_mm256_or_si256(nibbles(b + 6), hb), _mm256_set1_epi8(16));
 }
 
+/* Software prefetch into L2 of the bytes [p, p + n) (hints: never fault, no effect on results).
+ * A weight's rows are read once, in order, a few hundred bytes to a few KB each, by a loop that
+ * is busy decoding: with the hardware prefetchers alone a thread streamed Gemma 3 270M's Q8_0
+ * head at ~7 GB/s from memory against ~26 in cache; asking for the lines GG_PF_BYTES ahead
+ * into L2 (T0 gave little, L2 holds them until the loop comes) gave ~22 (a 2-core AMD EPYC). */
+#define GG_PF_BYTES (96 * 1024)
+/* a macro: gcc 12 drops the prefetches of an inline function that has no other effect */
+#define GG_PREFETCH(p, n) \
+    for (long o_ = 0; o_ < (n); o_ += 64) _mm_prefetch((const char *)(p) + GG_PF_BYTES + o_, _MM_HINT_T1)
+
 typedef struct {
     const ss_gweight *w;
     long M, K;
@@ -271,6 +281,7 @@ static inline __attribute__((always_inline)) void part_rows(const gg_job *j, con
         const int bytes = p->type == T_Q8_0 ? 34 : p->type == T_Q5_0 ? 22 : 18;
         for (; n + 1 < n1; n += 2) {
             const uint8_t *r0 = p->data + n * p->row_bytes, *r1 = r0 + p->row_bytes;
+            GG_PREFETCH(r0, 2 * p->row_bytes);
             __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
             for (long c = 0; c < C; c++) {
                 const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * c));
@@ -288,6 +299,7 @@ static inline __attribute__((always_inline)) void part_rows(const gg_job *j, con
     }
     for (; n < n1; n++) {
         const uint8_t *row = p->data + n * p->row_bytes;
+        GG_PREFETCH(row, p->row_bytes);
         __m256 acc[GG_ROWS];
         float mt[GG_ROWS];
         for (int r = 0; r < mr; r++) { acc[r] = _mm256_setzero_ps(); mt[r] = 0.0f; }
