@@ -141,8 +141,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-pickle", action="store_true",
                    help="accept pickled .bin weights where a model has no safetensors (unpickling can run code)")
     p.add_argument("--dtype", type=choice(("auto", "native", "float32", "bfloat16"), "dtype"), default=None,
-                   help="auto (default): bfloat16 where supported (a GGUF dequantized at load; its own blocks where "
-                        "only they fit); native: a GGUF's quantized blocks as stored (CPU); float32 or bfloat16")
+                   help="auto (default): bfloat16 where supported; a GGUF of 1B and up runs its own blocks (CPU), a "
+                        "smaller one is dequantized at load; native: a GGUF's quantized blocks as stored; float32 or bfloat16")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
 
 

@@ -5,9 +5,12 @@ residual stream and the KV cache are fp32 (the fused blocks' fp32 mode), as llam
 its activations.
 
 `--dtype native` runs a file this way where every matrix is in a block type the kernels multiply
-and the CPU kernels are here (else one line says why not). `--dtype auto` (the default) dequantizes
-a GGUF to bfloat16 where that copy fits in memory, since the bf16 path is the faster one on the
-machines measured so far (benchmarks/RESULTS.md), and runs its blocks where only they fit.
+and the CPU kernels are here (else one line says why not). `--dtype auto` (the default) runs a
+GGUF's blocks where its bf16 copy would take more than NATIVE_ABOVE bytes (1B models and up: as
+fast or faster autoregressively, loaded in a tenth of the time and a third of the memory) or would
+not fit, and dequantizes smaller files to bfloat16, where the speculative step is ~3x faster (the
+default model: benchmarks/models/vs_llama_bench.py, benchmarks/RESULTS.md); where the blocks
+cannot run here, auto dequantizes them if that fits.
 What cannot run over blocks yet falls back, never computing something else:
   * the greedy head's int8 screen: not made (the full native head decides every argmax);
   * the fused draft step (Runtime.step_token): not used (the drafters' per-layer path);
@@ -30,6 +33,8 @@ from selfspec.runtime import Runtime
 
 AUTO = ("auto", None)
 NATIVE = "native"
+AUTO_NATIVE = "auto-native"  # auto's choice of the blocks by size: dequantized instead where they cannot run here
+NATIVE_ABOVE = 1 << 30  # bf16 bytes above which auto runs a GGUF's blocks (module doc)
 Q8_0_BYTES = 34 / 32  # bytes per weight of Q8_0, the widest block type run natively (fits-checks size by it)
 _PARTS = {"wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "wo": ("self_attn.o_proj",),
           "w_gate_up": ("mlp.gate_proj", "mlp.up_proj"), "w_down": ("mlp.down_proj",)}
@@ -67,30 +72,35 @@ def native_bytes(spec) -> int:
 
 def fitting(source, dtype, spec, torch_dtype: torch.dtype, device: str):
     """What a model's weights will run as, decided from its config before any is read: `dtype`,
-    or NATIVE where auto's dequantized copy of a GGUF cannot fit but its blocks can; a one-line
-    SelfSpecError (loading.check_fits) where nothing fits."""
+    NATIVE where auto's dequantized copy of a GGUF cannot fit but its blocks can, AUTO_NATIVE
+    where it fits but is above NATIVE_ABOVE (the blocks, or the copy where they cannot run); a
+    one-line SelfSpecError (loading.check_fits) where nothing fits."""
     if dtype == NATIVE:
         check_fits(native_bytes(spec), device, f"{source} on its own blocks")
         return dtype
     screened = str(device) == "cpu" and kernels.available() and not spec.final_logit_softcap
+    dequantized = runtime_bytes(spec, torch_dtype, screened)
     try:
-        check_fits(runtime_bytes(spec, torch_dtype, screened), device, f"{source} in {str(torch_dtype).removeprefix('torch.')}")
+        check_fits(dequantized, device, f"{source} in {str(torch_dtype).removeprefix('torch.')}")
     except SelfSpecError:
         if dtype not in AUTO or not is_gguf(source):
             raise
         check_fits(native_bytes(spec), device, f"{source} (even on its own blocks)")
         return NATIVE
+    if dtype in AUTO and is_gguf(source) and str(device) == "cpu" and runtime_bytes(spec, torch.bfloat16) > NATIVE_ABOVE:
+        return AUTO_NATIVE
     return dtype
 
 
 def runtime(spec, sd, config, dtype, torch_dtype: torch.dtype, device: str) -> Runtime:
     """The runtime of a loaded source: a GGUF's own blocks under --dtype native (GGMLRuntime),
     else Runtime.from_state_dict in torch_dtype."""
-    if dtype == NATIVE:
-        if (why := native_reason(sd, device)) is not None:
+    if dtype in (NATIVE, AUTO_NATIVE):
+        if (why := native_reason(sd, device)) is None:
+            return GGMLRuntime.from_gguf(spec, sd, config)
+        if dtype == NATIVE:
             raise SelfSpecError(f"this model's blocks cannot run as stored here ({why}); --dtype bfloat16 dequantizes them")
-        return GGMLRuntime.from_gguf(spec, sd, config)
-    return Runtime.from_state_dict(spec, sd, config, torch_dtype, device)
+    return Runtime.from_state_dict(spec, sd, config, torch_dtype, device)  # (AUTO_NATIVE: fitting checked this fits)
 
 
 def weight_columns(rt: Runtime, i: int, name: str, n: int) -> torch.Tensor:

@@ -202,9 +202,10 @@ class GGUFCheckpoint(Mapping):
 
     def blocks(self, name: str) -> tuple[np.ndarray, object]:
         """(uint8 [rows, row_bytes], block type): the matrix's blocks as stored, rows in the
-        runtime's order (llama's q/k permutation undone a whole row at a time), one copy."""
+        runtime's order (llama's q/k permutation undone a whole row at a time): a read-only view
+        of the mapped file (GGUFFile.mapped_rows), or a copy where rows are reordered."""
         info = self._info(name)
-        raw = self.file.read_rows(info, 0, info.shape[0])
+        raw = self.file.mapped_rows(info)
         order = self._order(name, info.shape[0])
         return (raw if order is None else np.ascontiguousarray(raw[order])), info.qtype
 

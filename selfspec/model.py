@@ -61,7 +61,7 @@ def default_dtype(device: str) -> str:
 
 
 def resolve_dtype(dtype, device: str) -> torch.dtype:
-    if dtype in ggml_weights.AUTO:  # auto: a GGUF dequantized where that fits, else its blocks (load)
+    if dtype in ggml_weights.AUTO:  # auto: a GGUF by size, its blocks or a dequantized copy (ggml_weights.fitting)
         dtype = default_dtype(device)
     if dtype == ggml_weights.NATIVE:  # a GGUF's blocks as stored: fp32 activations (ggml_weights.py)
         return torch.float32

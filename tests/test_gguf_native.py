@@ -39,9 +39,12 @@ def test_block_matmul_matches_float64_and_its_scalar_chain(qtype):
     # bf16 activations and output: the same chain over the widened x, rounded once
     yb = kernels.matmul(x.bfloat16(), w)
     assert torch.equal(yb, reference(x.bfloat16().float(), w).bfloat16())
+    # one row has its own paths (two weight rows at a time, an odd one left): the same chain
+    w = _weight(qtype, 71, K, seed=int(qtype) + 1)
+    assert torch.equal(kernels.matmul(x[:1], w), reference(x[:1], w))
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_0])
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q5_0])
 def test_rows_do_not_depend_on_how_many_are_computed(qtype):
     K = 256
     w = _weight(qtype, 300, K, seed=3)  # several threads' shares of N
@@ -164,13 +167,26 @@ def test_auto_dequantizes_where_that_fits_and_runs_blocks_where_only_they_fit(na
         selfspec.load(path, tokenizer=helpers.word_tokenizer())
 
 
-def test_native_refuses_blocks_it_cannot_run_in_one_line(tmp_path):
+def test_auto_runs_the_blocks_of_files_above_its_size(native, monkeypatch):
+    from selfspec import ggml_weights
+    model, path = native
+    monkeypatch.setattr(ggml_weights, "NATIVE_ABOVE", 0)  # the tiny file counts as a 1B
+    auto = selfspec.load(path, tokenizer=helpers.word_tokenizer())
+    assert isinstance(auto.runtime, GGMLRuntime)
+    prompt = helpers.prompts(n=1)[0]
+    ar = dict(max_new_tokens=8, strategy="autoregressive")
+    assert auto.generate(prompt, **ar).token_ids == model.generate(prompt, **ar).token_ids
+    assert not isinstance(selfspec.load(path, tokenizer=helpers.word_tokenizer(), dtype="bfloat16").runtime, GGMLRuntime)
+
+
+def test_native_refuses_blocks_it_cannot_run_in_one_line(tmp_path, monkeypatch):
     hf = helpers.build_hf("llama", seed=1)
     f16 = write_gguf(hf, tmp_path / "f16.gguf", Q.F16)  # F16 matrices: not multiplied as blocks (yet)
     from selfspec import ggml_weights, gguf_load
     assert "F16" in ggml_weights.native_reason(gguf_load.GGUFCheckpoint(gguf_load.GGUFFile(f16)), "cpu")
     with pytest.raises(selfspec.SelfSpecError, match="cannot run as stored"):
         selfspec.load(f16, tokenizer=helpers.word_tokenizer(), dtype="native")
+    monkeypatch.setattr(ggml_weights, "NATIVE_ABOVE", 0)  # auto would take the blocks by size: it dequantizes them
     model = selfspec.load(f16, tokenizer=helpers.word_tokenizer())
     assert not isinstance(model.runtime, GGMLRuntime)
     prompt = helpers.prompts(n=1)[0]

@@ -4,7 +4,7 @@ Default model, bfloat16, held-out prompts (the built-in sets code, text and summ
 seed 7; the tests use seed 0), seeded Gumbel-max sampling. Arms, interleaved prompt by prompt
 for --rounds rounds (the machine's drift hits every arm alike):
 
-  AR greedy | AR T 1 | AR T 0.8 top_p 0.95 | AR T 0.8 top_k 40
+  AR greedy | AR T 1 | AR T 0.8 top_p 0.95 | AR T 0.8 top_k 40 | AR T 1 min_p 0.05
   auto greedy | auto T 1 | auto T 0.8 top_p 0.95
   (each sampled arm screened, and through the exact head)
 
@@ -36,6 +36,7 @@ from common import machine  # noqa: E402
 T1 = dict(temperature=1.0)
 TOP_P = dict(temperature=0.8, top_p=0.95)
 TOP_K = dict(temperature=0.8, top_k=40)
+MIN_P = dict(temperature=1.0, min_p=0.05)
 # arm -> (strategy, sampling, screened)
 ARMS = {
     "AR greedy": ("autoregressive", {}, True),
@@ -45,6 +46,8 @@ ARMS = {
     "AR T 0.8 top_p 0.95, exact head": ("autoregressive", TOP_P, False),
     "AR T 0.8 top_k 40": ("autoregressive", TOP_K, True),
     "AR T 0.8 top_k 40, exact head": ("autoregressive", TOP_K, False),
+    "AR T 1 min_p 0.05": ("autoregressive", MIN_P, True),
+    "AR T 1 min_p 0.05, exact head": ("autoregressive", MIN_P, False),
     "auto greedy": ("auto", {}, True),
     "auto T 1": ("auto", T1, True),
     "auto T 1, exact head": ("auto", T1, False),
