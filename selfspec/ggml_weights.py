@@ -8,7 +8,7 @@ its activations.
 and the CPU kernels are here (else one line says why not). `--dtype auto` (the default) runs a
 GGUF's blocks where its bf16 copy would take more than NATIVE_ABOVE bytes (1B models and up: as
 fast or faster autoregressively, loaded in a tenth of the time and a third of the memory) or would
-not fit, and dequantizes smaller files to bfloat16, where the speculative step is ~3x faster (the
+not fit, and dequantizes smaller files to bfloat16, where the speculative step is cheaper (the
 default model: benchmarks/models/vs_llama_bench.py, benchmarks/RESULTS.md); where the blocks
 cannot run here, auto dequantizes them if that fits.
 What cannot run over blocks yet falls back, never computing something else:

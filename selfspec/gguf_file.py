@@ -158,8 +158,8 @@ class GGUFFile:
     def mapped_rows(self, info: TensorInfo) -> np.ndarray:
         """All the raw blocks of a tensor as a read-only view of the file mapped in memory:
         uint8 [rows, row_bytes]. The pages are the page cache's, faulted in as they are first read:
-        no anonymous copy to fault in, which on a VM took seconds a GB (Gemma 3 1B: ~3.5 s for its
-        0.8 GB against 0.04 s mapped). The file must not change while the view lives."""
+        no anonymous copy to fault in, which on a VM costs far more than mapping (benchmarks/RESULTS.md).
+        The file must not change while the view lives."""
         if self._map is None:
             self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
         return self._map[info.offset : info.offset + info.nbytes].reshape(info.rows, info.row_bytes)

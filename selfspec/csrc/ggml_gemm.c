@@ -252,10 +252,9 @@ static inline __m256i legacy_values(int type, const uint8_t *b) {
 }
 
 /* Software prefetch into L2 of the bytes [p, p + n) (hints: never fault, no effect on results).
- * A weight's rows are read once, in order, a few hundred bytes to a few KB each, by a loop that
- * is busy decoding: with the hardware prefetchers alone a thread streamed Gemma 3 270M's Q8_0
- * head at ~7 GB/s from memory against ~26 in cache; asking for the lines GG_PF_BYTES ahead
- * into L2 (T0 gave little, L2 holds them until the loop comes) gave ~22 (a 2-core AMD EPYC). */
+ * A weight's rows are read once, in order, by a loop busy decoding them: with the hardware
+ * prefetchers alone a thread streams from memory at a fraction of its in-cache rate; lines asked
+ * for GG_PF_BYTES ahead into L2 close most of that gap (benchmarks/RESULTS.md, issue 52). */
 #define GG_PF_BYTES (96 * 1024)
 /* a macro: gcc 12 drops the prefetches of an inline function that has no other effect */
 #define GG_PREFETCH(p, n) \
