@@ -79,16 +79,15 @@ def fitting(source, dtype, spec, torch_dtype: torch.dtype, device: str):
         check_fits(native_bytes(spec), device, f"{source} on its own blocks")
         return dtype
     screened = str(device) == "cpu" and kernels.available() and not spec.final_logit_softcap
-    dequantized = runtime_bytes(spec, torch_dtype, screened)
     try:
-        check_fits(dequantized, device, f"{source} in {str(torch_dtype).removeprefix('torch.')}")
+        check_fits(runtime_bytes(spec, torch_dtype, screened), device, f"{source} in {str(torch_dtype).removeprefix('torch.')}")
     except SelfSpecError:
         if dtype not in AUTO or not is_gguf(source):
             raise
         check_fits(native_bytes(spec), device, f"{source} (even on its own blocks)")
         return NATIVE
-    if dtype in AUTO and is_gguf(source) and str(device) == "cpu" and runtime_bytes(spec, torch.bfloat16) > NATIVE_ABOVE:
-        return AUTO_NATIVE
+    if dtype in AUTO and is_gguf(source) and runtime_bytes(spec, torch.bfloat16) > NATIVE_ABOVE:
+        return AUTO_NATIVE  # runtime() dequantizes where native_reason says the blocks cannot run (a GPU, no kernels)
     return dtype
 
 
