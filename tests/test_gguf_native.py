@@ -10,6 +10,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from gguf.constants import GGML_QUANT_SIZES
 
 import helpers
 from gguf_files import random_blocks, write_gguf
@@ -35,13 +36,57 @@ def test_block_matmul_matches_float64_and_its_scalar_chain(qtype):
     y = kernels.matmul(x, w)
     assert torch.equal(y, reference(x, w))  # the vector code is the documented chain, bit for bit
     exact = x.double() @ w.dequantize().double()
-    assert ((y.double() - exact).norm() / exact.norm()).item() < 2e-2  # activations in int8 per 32 values
+    assert ((y.double() - exact).norm() / exact.norm()).item() < 2e-2  # activations in int8 per 32 (K-quants: 256) values
     # bf16 activations and output: the same chain over the widened x, rounded once
     yb = kernels.matmul(x.bfloat16(), w)
     assert torch.equal(yb, reference(x.bfloat16().float(), w).bfloat16())
     # one row has its own paths (two weight rows at a time, an odd one left): the same chain
     w = _weight(qtype, 71, K, seed=int(qtype) + 1)
     assert torch.equal(kernels.matmul(x[:1], w), reference(x[:1], w))
+
+
+@pytest.mark.parametrize("qtype", sorted(TYPES, key=int))
+@pytest.mark.parametrize("fill", [0xFF, 0x00, 0x80])
+def test_extreme_blocks_do_not_saturate(qtype, fill):
+    """Every stored value at its largest (or smallest) magnitude, every scale byte alike, against
+    activations at +-127 after quantization: the vector code's 16-bit pair sums and 32-bit
+    super-block sums must hold them exactly (the scalar chain adds in plain int)."""
+    K = 512
+    raw = np.full((9, K // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1]), fill, np.uint8)
+    ref = random_blocks(qtype, 9, K, seed=5)  # its fp16 scales only
+    for off in {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}.get(qtype, (0,)):
+        blocks = raw.reshape(9, -1, GGML_QUANT_SIZES[qtype][1])
+        blocks[..., off:off + 2] = ref.reshape(9, -1, GGML_QUANT_SIZES[qtype][1])[..., off:off + 2]
+    w = GGMLWeight([(raw, qtype)], K)
+    sign = torch.ones(K)
+    x = torch.stack([sign, -sign, sign * torch.tensor([1.0, -1.0]).repeat(K // 2)])
+    y = kernels.matmul(x, w)
+    assert torch.equal(y, reference(x, w)) and torch.equal(kernels.matmul(x[2:], w), y[2:])
+    exact = x.double() @ w.dequantize().double()
+    assert torch.allclose(y.double(), exact, rtol=1e-5, atol=1e-6 * exact.abs().max().item())  # |x| all 1: xq = +-127 exactly
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K])  # activation blocks of 32 and of 256 values
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_quantization_edge_cases_match_the_scalar_definition(qtype, dtype):
+    """The kernel quantizes activations with vector code, the reference with the scalar loop that
+    defines the bits: halves that round to even, NaN (-> -127, never the block's maximum), an
+    all-zero block, subnormal and huge values must come out the same."""
+    K = 512
+    w = _weight(qtype, 40, K, seed=9)
+    x = torch.randn(6, K, generator=torch.Generator().manual_seed(4))
+    x[0] = torch.arange(K) % 9 - 4 + 0.5  # with 127 in each block below: scale 1, every value a tie
+    x[0, ::32] = 127.0
+    x[1, 5], x[1, 300] = float("nan"), float("nan")
+    x[2, :256] = 0.0  # a whole block of either size
+    x[3] *= 1e-40  # subnormal in fp32 (bf16 keeps them too)
+    x[4] *= 1e30
+    x[5, 7] = -1e4  # one value sets the scale; the rest round to 0 or +-1
+    x = x.to(dtype)
+    y = kernels.matmul(x, w)
+    assert torch.equal(y, reference(x.float(), w).to(dtype))
+    assert torch.isfinite(y[:3]).all()
+    assert torch.equal(kernels.matmul(x[1:2], w), y[1:2])  # and one row alone
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q5_0])

@@ -3,24 +3,27 @@
  * in memory. A weight may be the concatenation (over N) of up to four parts of different
  * block types (the runtime's fused q|k|v and gate|up matrices).
  *
- * Activations are quantized per row, in blocks of 32 consecutive k (b = k / 32):
+ * Activations are quantized per row, in blocks of B consecutive k: B = 32 for the 32-value
+ * formats (Q8_0, Q4_0, Q5_0), B = 256 for the K-quants (as llama.cpp's Q8_K: one scale per
+ * super-block, so a super-block's sub-blocks add up in integers):
  *   sx[b] = amax |x[k]| / 127 (fp32; x bf16 or fp32 widened exactly)
  *   xq[k] = clamp(rne(x[k] * (1 / sx[b])), -127, 127) (NaN -> -127); sx == 0: xq = 0
- *   xs[b] = sum of xq over the block (int), xsf[b] = sx[b] * (float)xs[b]
- * Each 32-value chunk c of a weight row is decoded to 32 int8 values v (signed formats:
- * the stored value minus its offset; Q4_K / Q5_K: the unsigned 0..15 / 0..31) and a fp32
- * factor f, and multiplied into 8 int32 lanes, lane l the exact sum over bytes 4l..4l+3 of
- * v * xq (VPDPBUSD's grouping; signed values through |v| and sign(xq, v)):
- *   Q8_0, Q4_0, Q5_0: f = d * sx[b]
- *   Q6_K: each lane times its 16-value scale (int, exact), f = d * sx[b]
- *   Q4_K, Q5_K: f = (d * sc[s]) * sx[b]; the row's min term mt = fmaf(dmin * m[s], xsf[b], mt)
- *   acc[l] = fmaf(f, (float)lane[l], acc[l])      chunks in increasing k, acc from +0.0f
- * y = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7)) - mt.
- * Integer sums are exact, so the only rounding is in this fixed chain: a row's result does
- * not depend on how many rows are computed together, nor on the thread count (threads split
- * N), nor on the ISA (selfspec_ggemm_ref is the scalar C of the same chain; the AVX2 build
- * emulates VPDPBUSD exactly with VPMADDUBSW + VPMADDWD: |v| <= 128, |xq| <= 127, no
- * saturation).
+ *   K-quants: xs[g] = sum of xq over the 16 values of group g (int16; the min and offset terms)
+ * Q8_0, Q4_0, Q5_0: each 32-value block c is decoded to 32 int8 values v (the stored value minus
+ * its offset) and multiplied into 8 int32 lanes, lane l the exact sum over bytes 4l..4l+3 of
+ * v * xq (through |v| and sign(xq, v)); block by block, acc[l] = fmaf(d * sx[c], (float)lane[l], acc[l])
+ * and y = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7)).
+ * K-quants, super-block sb (256 values, activation block sb) by super-block: one exact integer
+ *   S = sum over its values of sc * v * xq (sc: Q4_K / Q5_K the 6-bit scale of the value's
+ *       32-value chunk, v the unsigned 0..15 / 0..31; Q6_K the int8 scale of its 16 values, v the
+ *       stored value minus 32), and for Q4_K / Q5_K Mi = sum over its chunks s of m[s] * (xs of
+ *       the chunk's two groups);
+ *   acc = fmaf(d * sx[sb], (float)S, acc), mt = fmaf(dmin * sx[sb], (float)Mi, mt); y = acc - mt.
+ * Integer sums are exact (|S| < 2^28), so the only rounding is in these fixed chains: a row's
+ * result does not depend on how many rows are computed together, nor on the thread count
+ * (threads split N), nor on the ISA (selfspec_ggemm_ref is the scalar C of the same chains; the
+ * vector code sums its integers in another order (Q6_K: unsigned values, minus 32 * sc * xs),
+ * and without VNNI emulates VPDPBUSD / VPDPWSSD with VPMADDUBSW + VPMADDWD: no saturation).
  */
 #pragma GCC optimize("fp-contract=off")
 #include <immintrin.h>
@@ -70,62 +73,116 @@ static int gg_block(int type, int *bytes) {
     }
 }
 
-static void k_scales6(const uint8_t *s, uint8_t *sc, uint8_t *m) {
-    for (int j = 0; j < 4; j++) {
-        sc[j] = s[j] & 63;
-        m[j] = s[4 + j] & 63;
-        sc[4 + j] = (s[8 + j] & 15) | ((s[j] >> 2) & 0x30);
-        m[4 + j] = (s[8 + j] >> 4) | ((s[4 + j] >> 2) & 0x30);
-    }
+/* Q4_K / Q5_K's twelve bytes of 6-bit scales and mins -> sc[8], m[8] (four bytes at a time:
+ * scales 0..3 and mins 0..3 are the low six bits of bytes 0..3 and 4..7; scales and mins 4..7
+ * the nibbles of bytes 8..11 under the top two bits of bytes 0..3 and 4..7) */
+static inline void k_scales6(const uint8_t *s, uint8_t *sc, uint8_t *m) {
+    uint32_t u[3], o[4];
+    memcpy(u, s, 12);
+    o[0] = u[0] & 0x3F3F3F3Fu;                                  /* sc 0..3 */
+    o[1] = (u[2] & 0x0F0F0F0Fu) | ((u[0] >> 2) & 0x30303030u);  /* sc 4..7 */
+    o[2] = u[1] & 0x3F3F3F3Fu;                                  /* m 0..3 */
+    o[3] = ((u[2] >> 4) & 0x0F0F0F0Fu) | ((u[1] >> 2) & 0x30303030u); /* m 4..7 */
+    memcpy(sc, o, 8);
+    memcpy(m, o + 2, 8);
 }
 
 /* ---- activations ------------------------------------------------------------------------ */
 
-typedef struct { int8_t *xq; float *sx, *xsf; } gg_act;
+/* the rows' two quantizations (each made only where a part of the weight needs it): per 32
+ * values (xq [M, K], sx [M, K / 32]) for the 32-value formats, per 256 (kq [M, K], ks [M, K / 256],
+ * kxs [M, K / 16]) for the K-quants */
+typedef struct { int8_t *xq, *kq; float *sx, *ks; int16_t *kxs; } gg_act;
 
-static void quantize_row(const void *x, int x_bf16, long K, int8_t *xq, float *sx, float *xsf) {
-    float buf[32];
-    for (long b = 0; b < K / 32; b++) {
-        float amax = 0.0f;
-        for (int i = 0; i < 32; i++) {
-            buf[i] = x_bf16 ? gbf16(((const uint16_t *)x)[32 * b + i]) : ((const float *)x)[32 * b + i];
-            float a = fabsf(buf[i]);
-            amax = a > amax ? a : amax; /* NaN never wins */
-        }
-        const float s = amax / 127.0f;
+/* values i0 .. i0 + B - 1 of x as one activation block: xq[B] and *sx (the definition) */
+static void quantize_block(const void *x, int x_bf16, long i0, int B, int8_t *xq, float *sx) {
+    float buf[256];
+    float amax = 0.0f;
+    for (int i = 0; i < B; i++) {
+        buf[i] = x_bf16 ? gbf16(((const uint16_t *)x)[i0 + i]) : ((const float *)x)[i0 + i];
+        float a = fabsf(buf[i]);
+        amax = a > amax ? a : amax; /* NaN never wins */
+    }
+    const float s = amax / 127.0f;
+    *sx = s;
+    if (s == 0.0f) {
+        memset(xq, 0, (size_t)B);
+        return;
+    }
+    const float inv = 1.0f / s;
+    for (int i = 0; i < B; i++) {
+        float v = buf[i] * inv;
+        v = fmaxf(v, -127.0f); /* NaN -> -127 */
+        v = fminf(v, 127.0f);
+        xq[i] = (int8_t)(int)nearbyintf(v);
+    }
+}
+
+#ifdef __AVX2__
+static inline __m256 load8(const void *x, int x_bf16, long i) {
+    if (x_bf16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)x + i))), 16));
+    return _mm256_loadu_ps((const float *)x + i);
+}
+
+/* quantize_block's bits, 8 lanes at a time (B a multiple of 32): the largest |x| whatever the
+ * order (VMAXPS returns its second operand, the running maximum, when the first is NaN: NaN never
+ * wins), the same product, clamp (NaN -> -127) and round to nearest even (the default MXCSR
+ * mode, nearbyintf's) */
+static void quantize_block_v(const void *x, int x_bf16, long i0, int B, int8_t *xq, float *sx) {
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < B; i += 8) m = _mm256_max_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), load8(x, x_bf16, i0 + i)), m);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float s = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h))) / 127.0f;
+    *sx = s;
+    if (s == 0.0f) {
+        memset(xq, 0, (size_t)B);
+        return;
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / s), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+    for (int i = 0; i < B; i += 32) {
+        __m256i q[4];
+        for (int k = 0; k < 4; k++)
+            q[k] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(load8(x, x_bf16, i0 + i + 8 * k), inv), lo), hi));
+        /* int32 -> int8 (|q| <= 127: no saturation); the packs interleave 128-bit halves */
+        const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256((__m256i *)(xq + i), _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    }
+}
+#endif
+
+/* x's K values in blocks of B: xq, sx[K / B], and where xs is given the sums of xq over each 16
+ * values; vec: quantize_block_v where built (the same bits) */
+static void quantize_row(const void *x, int x_bf16, long K, int B, int8_t *xq, float *sx, int16_t *xs, int vec) {
+    for (long b = 0; b < K / B; b++) {
+#ifdef __AVX2__
+        if (vec) { quantize_block_v(x, x_bf16, B * b, B, xq + B * b, sx + b); continue; }
+#endif
+        (void)vec;
+        quantize_block(x, x_bf16, B * b, B, xq + B * b, sx + b);
+    }
+    for (long g = 0; xs && g < K / 16; g++) {
         int sum = 0;
-        if (s == 0.0f) {
-            memset(xq + 32 * b, 0, 32);
-        } else {
-            const float inv = 1.0f / s;
-            for (int i = 0; i < 32; i++) {
-                float v = buf[i] * inv;
-                v = fmaxf(v, -127.0f); /* NaN -> -127 */
-                v = fminf(v, 127.0f);
-                const int q = (int)nearbyintf(v);
-                xq[32 * b + i] = (int8_t)q;
-                sum += q;
-            }
-        }
-        sx[b] = s;
-        xsf[b] = s * (float)sum;
+        for (int i = 0; i < 16; i++) sum += xq[16 * g + i];
+        xs[g] = (int16_t)sum; /* |sum| <= 16 * 127 */
     }
 }
 
 /* ---- decoding one 32-value chunk (scalar: the reference, and the definition) ------------- */
 
-/* chunk c (32 values) of a row of `type`: v[32], the fp32 weight factor (before sx), the
- * per-lane integer scales (Q6_K; else 1), the min factor (Q4_K/Q5_K: dmin * m; else 0);
- * returns 1 if v is unsigned (0..31). */
-static int decode_chunk(int type, const uint8_t *row, long c, int8_t *v, float *f, int *lsc, float *mf) {
+/* chunk c (32 values) of a row of `type`: v[32], the per-lane integer scales lsc[8] (Q4_K /
+ * Q5_K: the chunk's 6-bit scale; Q6_K: the scale of each lane's 16 values; else 1), the fp32
+ * factor d (its block's, or super-block's), and for Q4_K / Q5_K the super-block's dmin and the
+ * chunk's 6-bit min mi (else 0) */
+static void decode_chunk(int type, const uint8_t *row, long c, int8_t *v, int *lsc, float *d, float *dmin, int *mi) {
     for (int l = 0; l < 8; l++) lsc[l] = 1;
-    *mf = 0.0f;
-    *f = 0.0f;
+    *mi = 0;
+    *d = *dmin = 0.0f;
     switch (type) {
     case T_Q4_0: case T_Q5_0: case T_Q8_0: {
         const uint8_t *b = row + c * (type == T_Q4_0 ? 18 : type == T_Q5_0 ? 22 : 34);
-        *f = gh2f(b);
-        if (type == T_Q8_0) { memcpy(v, b + 2, 32); return 0; }
+        *d = gh2f(b);
+        if (type == T_Q8_0) { memcpy(v, b + 2, 32); return; }
         uint32_t qh = 0;
         const uint8_t *qs = b + 2;
         if (type == T_Q5_0) { memcpy(&qh, b + 2, 4); qs = b + 6; }
@@ -139,7 +196,7 @@ static int decode_chunk(int type, const uint8_t *row, long c, int8_t *v, float *
                 v[j] = (int8_t)(lo - 8); v[j + 16] = (int8_t)(hi - 8);
             }
         }
-        return 0;
+        return;
     }
     case T_Q4_K: case T_Q5_K: {
         const int five = type == T_Q5_K;
@@ -147,54 +204,64 @@ static int decode_chunk(int type, const uint8_t *row, long c, int8_t *v, float *
         const int s = (int)(c % 8);
         uint8_t sc[8], m[8];
         k_scales6(b + 4, sc, m);
-        *f = gh2f(b) * (float)sc[s];
-        *mf = gh2f(b + 2) * (float)m[s];
+        *d = gh2f(b);
+        *dmin = gh2f(b + 2);
+        *mi = m[s];
+        for (int l = 0; l < 8; l++) lsc[l] = sc[s];
         const uint8_t *qh = b + 16, *q = (five ? b + 48 : b + 16) + 32 * (s / 2);
         for (int l = 0; l < 32; l++) {
             int u = (q[l] >> (4 * (s & 1))) & 15;
             if (five) u |= ((qh[l] >> s) & 1) << 4;
             v[l] = (int8_t)u;
         }
-        return 1;
+        return;
     }
     case T_Q6_K: {
         const uint8_t *b = row + (c / 8) * 210;
         const int h = (int)(c % 8) / 4, cc = (int)(c % 4);
         const uint8_t *ql = b + 64 * h + 32 * (cc % 2), *qh = b + 128 + 32 * h;
         const int8_t *sc = (const int8_t *)(b + 192) + 8 * h + 2 * cc;
-        *f = gh2f(b + 208);
+        *d = gh2f(b + 208);
         for (int l = 0; l < 32; l++) {
             const int lo = (ql[l] >> (4 * (cc / 2))) & 15, hi = (qh[l] >> (2 * cc)) & 3;
             v[l] = (int8_t)((lo | (hi << 4)) - 32);
         }
         for (int l = 0; l < 8; l++) lsc[l] = sc[l / 4];
-        return 0;
+        return;
     }
     }
-    return 0;
 }
 
 static inline float hsum8(const float *a) {
     return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
 }
 
-/* the scalar chain for one row of W (type) and one activation row */
-static float dot_ref(int type, const uint8_t *row, long K, const int8_t *xq, const float *sx, const float *xsf) {
-    float acc[8] = {0}, mt = 0.0f;
+static inline int is_k(int type) { return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K; }
+
+/* the scalar chain for one row of W (type) and one activation row: xq, sx and xs of the
+ * activation blocks that type multiplies (32 values, or 256 for the K-quants) */
+static float dot_ref(int type, const uint8_t *row, long K, const int8_t *xq, const float *sx, const int16_t *xs) {
+    float acc[8] = {0}, a = 0.0f, mt = 0.0f;
     int8_t v[32];
-    int lsc[8];
+    int lsc[8], S = 0, Mi = 0, mi;
+    float d, dmin;
     for (long c = 0; c < K / 32; c++) {
-        float f, mf;
-        decode_chunk(type, row, c, v, &f, lsc, &mf);
-        const float fx = f * sx[c];
+        decode_chunk(type, row, c, v, lsc, &d, &dmin, &mi);
         for (int l = 0; l < 8; l++) {
             int s = 0;
             for (int i = 0; i < 4; i++) s += (int)v[4 * l + i] * (int)xq[32 * c + 4 * l + i];
-            acc[l] = fmaf(fx, (float)(s * lsc[l]), acc[l]);
+            if (is_k(type)) S += lsc[l] * s;
+            else acc[l] = fmaf(d * sx[c], (float)s, acc[l]);
         }
-        if (type == T_Q4_K || type == T_Q5_K) mt = fmaf(mf, xsf[c], mt);
+        if (!is_k(type)) continue;
+        Mi += mi * (xs[2 * c] + xs[2 * c + 1]);
+        if (c % 8 == 7) {
+            a = fmaf(d * sx[c / 8], (float)S, a);
+            if (type != T_Q6_K) mt = fmaf(dmin * sx[c / 8], (float)Mi, mt);
+            S = Mi = 0;
+        }
     }
-    return hsum8(acc) - mt;
+    return is_k(type) ? a - mt : hsum8(acc);
 }
 
 /* ---- the vector chain ---------------------------------------------------------------------- */
@@ -214,6 +281,33 @@ static inline __m256i dot_us(__m256i u, __m256i s) {
 /* signed v: sum v * x through |v| and sign(x, v) */
 static inline __m256i dot_ss(__m256i v, __m256i x) {
     return dot_us(_mm256_sign_epi8(v, v), _mm256_sign_epi8(x, v));
+}
+
+/* acc + 8 int32 lanes: lane l = p[2l] * s[2l] + p[2l + 1] * s[2l + 1] (int16 p, s) */
+static inline __m256i dot_ws(__m256i acc, __m256i p, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, p, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, p, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
+#endif
+}
+
+static inline int hsum_i(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+/* int16 lanes of v (its two 128-bit halves alike) -> every lane of the low half int16 lane a of
+ * v, of the high half lane b */
+static inline __m256i pick16(__m256i v, int a, int b) {
+    const __m256i sel = _mm256_setr_epi8(2 * a, 2 * a + 1, 2 * a, 2 * a + 1, 2 * a, 2 * a + 1, 2 * a, 2 * a + 1,
+        2 * a, 2 * a + 1, 2 * a, 2 * a + 1, 2 * a, 2 * a + 1, 2 * a, 2 * a + 1,
+        2 * b, 2 * b + 1, 2 * b, 2 * b + 1, 2 * b, 2 * b + 1, 2 * b, 2 * b + 1,
+        2 * b, 2 * b + 1, 2 * b, 2 * b + 1, 2 * b, 2 * b + 1, 2 * b, 2 * b + 1);
+    return _mm256_shuffle_epi8(v, sel);
 }
 
 /* 32 bits -> 32 bytes, byte j 0xFF where bit j is set */
@@ -263,18 +357,27 @@ static inline __m256i legacy_values(int type, const uint8_t *b) {
 typedef struct {
     const ss_gweight *w;
     long M, K;
-    const int8_t *xq;
-    const float *sx, *xsf;
+    const int8_t *xq, *kq; /* activations per 32 values (xq, sx) and per 256 (kq, ks; kxs per 16) */
+    const float *sx, *ks;
+    const int16_t *kxs;
     void *y;
     int y_bf16;
+    long next; /* the first column no thread has taken yet (next_columns) */
 } gg_job;
+
+static inline void put(const gg_job *j, long m, long col, float v) {
+    const long at = m * j->w->out_features + col;
+    if (j->y_bf16) ((uint16_t *)j->y)[at] = gf2bf16(v);
+    else ((float *)j->y)[at] = v;
+}
 
 /* rows n0..n1-1 of part p (global column base g) for rows m0..m0+mr-1 (inlined: a one-row
  * call gets its own copy, its accumulator in a register) */
 static inline __attribute__((always_inline)) void part_rows(const gg_job *j, const ss_gpart *p, long g, long n0, long n1, long m0, int mr) {
-    const long K = j->K, C = K / 32, N = j->w->out_features;
-    const int8_t *xq = j->xq + m0 * K;
-    const float *sx = j->sx + m0 * C, *xsf = j->xsf + m0 * C;
+    const long K = j->K, C = K / 32;
+    const int8_t *xq = j->xq + m0 * K, *kq = j->kq + m0 * K;
+    const float *sx = j->sx + m0 * C, *ks = j->ks + m0 * (C / 8);
+    const int16_t *kxs = j->kxs + m0 * (K / 16);
     long n = n0;
     if (mr == 1 && (p->type == T_Q8_0 || p->type == T_Q4_0 || p->type == T_Q5_0)) {
         const int bytes = p->type == T_Q8_0 ? 34 : p->type == T_Q5_0 ? 22 : 18;
@@ -290,21 +393,17 @@ static inline __attribute__((always_inline)) void part_rows(const gg_job *j, con
                 a0 = _mm256_fmadd_ps(_mm256_set1_ps(gh2f(r0 + c * bytes) * sx[c]), _mm256_cvtepi32_ps(s0), a0);
                 a1 = _mm256_fmadd_ps(_mm256_set1_ps(gh2f(r1 + c * bytes) * sx[c]), _mm256_cvtepi32_ps(s1), a1);
             }
-            const float o0 = hsum_v(a0), o1 = hsum_v(a1);
-            const long at = m0 * N + g + n;
-            if (j->y_bf16) { ((uint16_t *)j->y)[at] = gf2bf16(o0); ((uint16_t *)j->y)[at + 1] = gf2bf16(o1); }
-            else { ((float *)j->y)[at] = o0; ((float *)j->y)[at + 1] = o1; }
+            put(j, m0, g + n, hsum_v(a0));
+            put(j, m0, g + n + 1, hsum_v(a1));
         }
     }
     for (; n < n1; n++) {
         const uint8_t *row = p->data + n * p->row_bytes;
         GG_PREFETCH(row, p->row_bytes);
-        __m256 acc[GG_ROWS];
-        float mt[GG_ROWS];
-        for (int r = 0; r < mr; r++) { acc[r] = _mm256_setzero_ps(); mt[r] = 0.0f; }
-        switch (p->type) {
-        case T_Q8_0: case T_Q4_0: case T_Q5_0: {
+        if (!is_k(p->type)) {
             const int bytes = p->type == T_Q8_0 ? 34 : p->type == T_Q5_0 ? 22 : 18;
+            __m256 acc[GG_ROWS];
+            for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_ps();
             for (long c = 0; c < C; c++) {
                 const uint8_t *b = row + c * bytes;
                 const float d = gh2f(b);
@@ -316,87 +415,121 @@ static inline __attribute__((always_inline)) void part_rows(const gg_job *j, con
                     acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * sx[r * C + c]), _mm256_cvtepi32_ps(s), acc[r]);
                 }
             }
-            break;
+            for (int r = 0; r < mr; r++) put(j, m0 + r, g + n, hsum_v(acc[r]));
+            continue;
         }
-        case T_Q4_K: case T_Q5_K: {
-            const int five = p->type == T_Q5_K;
-            for (long sb = 0; sb < C / 8; sb++) {
-                const uint8_t *b = row + sb * (five ? 176 : 144);
-                const float d = gh2f(b), dmin = gh2f(b + 2);
-                uint8_t sc[8], mn[8];
-                k_scales6(b + 4, sc, mn);
-                const uint8_t *qs = five ? b + 48 : b + 16;
-                __m256i qh = _mm256_setzero_si256();
-                if (five) qh = _mm256_loadu_si256((const __m256i *)(b + 16));
-                for (int s = 0; s < 8; s++) {
-                    const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * (s / 2)));
-                    __m256i u = _mm256_and_si256(s & 1 ? _mm256_srli_epi16(q, 4) : q, _mm256_set1_epi8(15));
-                    if (five) {
-                        const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(qh, s), _mm256_set1_epi8(1));
-                        u = _mm256_or_si256(u, _mm256_slli_epi16(hb, 4));
-                    }
-                    const float f = d * (float)sc[s], mf = dmin * (float)mn[s];
-                    const long c = 8 * sb + s;
-                    for (int r = 0; r < mr; r++) {
-                        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * K + 32 * c));
-                        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(f * sx[r * C + c]), _mm256_cvtepi32_ps(dot_us(u, x)), acc[r]);
-                        mt[r] = fmaf(mf, xsf[r * C + c], mt[r]);
-                    }
-                }
-            }
-            break;
-        }
-        case T_Q6_K: {
-            for (long sb = 0; sb < C / 8; sb++) {
+        float acc[GG_ROWS], mt[GG_ROWS];
+        for (int r = 0; r < mr; r++) acc[r] = mt[r] = 0.0f;
+        const __m256i m15 = _mm256_set1_epi8(15);
+        for (long sb = 0; sb < C / 8; sb++) {
+            const int8_t *x = kq + 256 * sb;   /* row r: x + r * K */
+            const int16_t *xs = kxs + 16 * sb; /* row r: xs + r * (K / 16) */
+            __m256i L[GG_ROWS];
+            for (int r = 0; r < mr; r++) L[r] = _mm256_setzero_si256();
+            float d, dmin = 0.0f;
+            if (p->type == T_Q6_K) {
                 const uint8_t *b = row + sb * 210;
-                const float d = gh2f(b + 208);
-                const int8_t *scs = (const int8_t *)(b + 192);
+                d = gh2f(b + 208);
+                /* 16 int8 scales, one per 16 values, as int16: [0..7 | 8..15], then each half in both */
+                const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+                const __m256i sh[2] = {_mm256_permute2x128_si256(sc, sc, 0x00), _mm256_permute2x128_si256(sc, sc, 0x11)};
                 for (int h = 0; h < 2; h++) {
                     const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
-                    for (int cc = 0; cc < 4; cc++) {
+                    for (int cc = 0; cc < 4; cc++) { /* chunk 4 h + cc: values 128 h + 32 cc .. + 31 */
                         const __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (cc % 2)));
-                        const __m256i lo = _mm256_and_si256(cc / 2 ? _mm256_srli_epi16(ql, 4) : ql, _mm256_set1_epi8(15));
-                        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * cc), _mm256_set1_epi8(3));
-                        const __m256i v = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
-                        const __m256i av = _mm256_sign_epi8(v, v);
-                        const int s0 = scs[8 * h + 2 * cc], s1 = scs[8 * h + 2 * cc + 1];
-                        const __m256i lsc = _mm256_setr_epi32(s0, s0, s0, s0, s1, s1, s1, s1);
-                        const long c = 8 * sb + 4 * h + cc;
+                        const __m256i lo = _mm256_and_si256(cc / 2 ? _mm256_srli_epi16(ql, 4) : ql, m15);
+                        const __m256i hi = _mm256_and_si256(cc == 0 ? _mm256_slli_epi16(qh, 4) : cc == 1 ? _mm256_slli_epi16(qh, 2)
+                            : cc == 2 ? qh : _mm256_srli_epi16(qh, 2), _mm256_set1_epi8(0x30));
+                        const __m256i u = _mm256_or_si256(lo, hi); /* the stored 0..63 */
+                        const __m256i scv = pick16(sh[h], 2 * cc, 2 * cc + 1);
                         for (int r = 0; r < mr; r++) {
-                            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * K + 32 * c));
-                            const __m256i s = _mm256_mullo_epi32(dot_us(av, _mm256_sign_epi8(x, v)), lsc);
-                            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * sx[r * C + c]), _mm256_cvtepi32_ps(s), acc[r]);
+                            const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + r * K + 128 * h + 32 * cc));
+                            L[r] = dot_ws(L[r], _mm256_maddubs_epi16(u, xv), scv);
                         }
                     }
                 }
+                /* the offset: S -= 32 * sum over groups of sc * xs */
+                for (int r = 0; r < mr; r++)
+                    L[r] = _mm256_sub_epi32(L[r], _mm256_slli_epi32(_mm256_madd_epi16(sc,
+                        _mm256_loadu_si256((const __m256i *)(xs + r * (K / 16)))), 5));
+            } else {
+                const int five = p->type == T_Q5_K;
+                const uint8_t *b = row + sb * (five ? 176 : 144);
+                d = gh2f(b);
+                dmin = gh2f(b + 2);
+                uint8_t scm[16];
+                k_scales6(b + 4, scm, scm + 8);
+                const __m128i sm = _mm_loadu_si128((const __m128i *)scm); /* sc[8], m[8] */
+                const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
+                const __m256i mn = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm)); /* m0 m0 m1 m1 .. */
+                const uint8_t *qs = five ? b + 48 : b + 16;
+                __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+                for (int jj = 0; jj < 4; jj++) { /* chunks 2 jj (low nibbles) and 2 jj + 1 (high) */
+                    const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * jj));
+                    __m256i lo = _mm256_and_si256(q, m15), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m15);
+                    if (five) { /* bit 2 jj (+ 1) of each qh byte is the fifth bit */
+                        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(qh, 4), _mm256_set1_epi8(16)));
+                        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(qh, 3), _mm256_set1_epi8(16)));
+                        qh = _mm256_srli_epi16(qh, 2);
+                    }
+                    const __m256i slo = pick16(sc, 2 * jj, 2 * jj), shi = pick16(sc, 2 * jj + 1, 2 * jj + 1);
+                    for (int r = 0; r < mr; r++) {
+                        const int8_t *xr = x + r * K + 64 * jj;
+                        L[r] = dot_ws(L[r], _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xr)), slo);
+                        L[r] = dot_ws(L[r], _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xr + 32))), shi);
+                    }
+                }
+                for (int r = 0; r < mr; r++) {
+                    const int Mi = hsum_i(_mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i *)(xs + r * (K / 16)))));
+                    mt[r] = fmaf(dmin * ks[r * (C / 8) + sb], (float)Mi, mt[r]);
+                }
             }
-            break;
+            for (int r = 0; r < mr; r++) acc[r] = fmaf(d * ks[r * (C / 8) + sb], (float)hsum_i(L[r]), acc[r]);
         }
-        }
-        for (int r = 0; r < mr; r++) {
-            const float out = hsum_v(acc[r]) - mt[r];
-            const long at = (m0 + r) * N + g + n;
-            if (j->y_bf16) ((uint16_t *)j->y)[at] = gf2bf16(out);
-            else ((float *)j->y)[at] = out;
-        }
+        for (int r = 0; r < mr; r++) put(j, m0 + r, g + n, acc[r] - mt[r]);
+    }
+}
+
+/* Guided scheduling over the N columns: a thread takes the next (untaken) / (2 nt) columns, at
+ * least GG_MIN_CHUNK, until none are left. Threads are slowed unevenly (a neighbour on the core,
+ * a memory channel), and a static split waits for the slowest; which thread computes a column
+ * never changes its bits. Returns the first column taken (>= n: none left), *hi one past the last. */
+#define GG_MIN_CHUNK 16
+static long next_columns(long *next, long n, int nt, long *hi) {
+    long lo = __atomic_load_n(next, __ATOMIC_RELAXED);
+    for (;;) {
+        if (lo >= n) return lo;
+        long c = (n - lo) / (2 * nt);
+        if (c < GG_MIN_CHUNK) c = GG_MIN_CHUNK;
+        const long h = lo + c < n ? lo + c : n;
+        if (__atomic_compare_exchange_n(next, &lo, h, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) { *hi = h; return lo; }
     }
 }
 
 static void gg_region(void *ctx, int tid, int nt) {
-    const gg_job *j = (const gg_job *)ctx;
-    long lo, hi;
-    ss_share(j->w->out_features, tid, nt, &lo, &hi);
-    for (long m0 = 0; m0 < j->M; m0 += GG_ROWS) {
-        const int mr = (int)(j->M - m0 < GG_ROWS ? j->M - m0 : GG_ROWS);
-        long g = 0;
-        for (int q = 0; q < j->w->nparts; q++) {
-            const ss_gpart *p = &j->w->part[q];
-            const long a = lo > g ? lo - g : 0, b = hi - g < p->rows ? hi - g : p->rows;
-            if (a < b) {
-                if (mr == 1) part_rows(j, p, g, a, b, m0, 1);
-                else part_rows(j, p, g, a, b, m0, mr);
+    gg_job *j = (gg_job *)ctx;
+    (void)tid;
+    long lo, hi = 0;
+    while ((lo = next_columns(&j->next, j->w->out_features, nt, &hi)) < j->w->out_features) {
+        for (long m0 = 0; m0 < j->M; m0 += GG_ROWS) { /* the chunk's weights stay in cache across passes */
+            const int mr = (int)(j->M - m0 < GG_ROWS ? j->M - m0 : GG_ROWS);
+            long g = 0;
+            for (int q = 0; q < j->w->nparts; q++) {
+                const ss_gpart *p = &j->w->part[q];
+                const long a = lo > g ? lo - g : 0, b = hi - g < p->rows ? hi - g : p->rows;
+                if (a < b) {
+                    switch (mr) { /* constant row counts: the accumulators stay in registers */
+                    case 1: part_rows(j, p, g, a, b, m0, 1); break;
+                    case 2: part_rows(j, p, g, a, b, m0, 2); break;
+                    case 3: part_rows(j, p, g, a, b, m0, 3); break;
+                    case 4: part_rows(j, p, g, a, b, m0, 4); break;
+                    case 5: part_rows(j, p, g, a, b, m0, 5); break;
+                    case 6: part_rows(j, p, g, a, b, m0, 6); break;
+                    default: part_rows(j, p, g, a, b, m0, mr);
+                    }
+                }
+                g += p->rows;
             }
-            g += p->rows;
         }
     }
 }
@@ -414,19 +547,39 @@ static int check(const ss_gweight *w) {
     return n == w->out_features ? 0 : 2;
 }
 
-static int quantize_all(long M, long K, const void *x, int x_bf16, gg_act *a) {
+static int quantize_all(long M, long K, const void *x, int x_bf16, const ss_gweight *w, gg_act *a, int vec) {
     const long C = K / 32;
-    a->xq = (int8_t *)malloc((size_t)(M * K));
-    a->sx = (float *)malloc(sizeof(float) * (size_t)(M * C));
-    a->xsf = (float *)malloc(sizeof(float) * (size_t)(M * C));
-    if (!a->xq || !a->sx || !a->xsf) return 1;
-    for (long m = 0; m < M; m++)
-        quantize_row(x_bf16 ? (const void *)((const uint16_t *)x + m * K) : (const void *)((const float *)x + m * K),
-                     x_bf16, K, a->xq + m * K, a->sx + m * C, a->xsf + m * C);
+    int legacy = 0, kquant = 0;
+    for (int q = 0; q < w->nparts; q++) {
+        if (is_k(w->part[q].type)) kquant = 1;
+        else legacy = 1;
+    }
+    if (legacy) {
+        a->xq = (int8_t *)malloc((size_t)(M * K));
+        a->sx = (float *)malloc(sizeof(float) * (size_t)(M * C));
+        if (!a->xq || !a->sx) return 1;
+    }
+    if (kquant) {
+        a->kq = (int8_t *)malloc((size_t)(M * K));
+        a->ks = (float *)malloc(sizeof(float) * (size_t)(M * (K / 256)));
+        a->kxs = (int16_t *)malloc(sizeof(int16_t) * (size_t)(M * (K / 16)));
+        if (!a->kq || !a->ks || !a->kxs) return 1;
+    }
+    for (long m = 0; m < M; m++) {
+        const void *xm = x_bf16 ? (const void *)((const uint16_t *)x + m * K) : (const void *)((const float *)x + m * K);
+        if (legacy) quantize_row(xm, x_bf16, K, 32, a->xq + m * K, a->sx + m * C, NULL, vec);
+        if (kquant) quantize_row(xm, x_bf16, K, 256, a->kq + m * K, a->ks + m * (K / 256), a->kxs + m * (K / 16), vec);
+    }
     return 0;
 }
 
-static void free_act(gg_act *a) { free(a->xq); free(a->sx); free(a->xsf); }
+static void free_act(gg_act *a) { free(a->xq); free(a->sx); free(a->kq); free(a->ks); free(a->kxs); }
+
+/* activation row m of a for rows of `type`: its xq, sx and xs (dot_ref's arguments) */
+static void act_row(const gg_act *a, int type, long m, long K, const int8_t **xq, const float **sx, const int16_t **xs) {
+    if (is_k(type)) { *xq = a->kq + m * K; *sx = a->ks + m * (K / 256); *xs = a->kxs + m * (K / 16); }
+    else { *xq = a->xq + m * K; *sx = a->sx + m * (K / 32); *xs = NULL; }
+}
 
 int selfspec_ggml_types_ok(int type) { int b; return gg_block(type, &b) != 0; }
 
@@ -436,9 +589,9 @@ int selfspec_ggemm(long M, const void *x, int x_bf16, const void *wd, void *y, i
     if (M <= 0) return 0;
     if (check(w)) return 2;
     gg_act a = {0};
-    if (quantize_all(M, w->in_features, x, x_bf16, &a)) { free_act(&a); return 1; }
+    if (quantize_all(M, w->in_features, x, x_bf16, w, &a, 1)) { free_act(&a); return 1; }
 #ifdef __AVX2__
-    gg_job j = {w, M, w->in_features, a.xq, a.sx, a.xsf, y, y_bf16};
+    gg_job j = {w, M, w->in_features, a.xq, a.kq, a.sx, a.ks, a.kxs, y, y_bf16, 0};
     int nt = ss_threads(nthreads);
     const long work = w->out_features * w->in_features;
     if (work < (1L << 16)) nt = 1;
@@ -446,13 +599,15 @@ int selfspec_ggemm(long M, const void *x, int x_bf16, const void *wd, void *y, i
     ss_parallel(nt < 1 ? 1 : nt, gg_region, &j);
 #else
     (void)nthreads;
-    const long K = w->in_features, C = K / 32, N = w->out_features;
+    const long K = w->in_features, N = w->out_features;
     for (long m = 0; m < M; m++) {
         long g = 0;
         for (int q = 0; q < w->nparts; q++) {
             const ss_gpart *p = &w->part[q];
+            const int8_t *xq; const float *sx; const int16_t *xs;
+            act_row(&a, p->type, m, K, &xq, &sx, &xs);
             for (long n = 0; n < p->rows; n++) {
-                const float out = dot_ref(p->type, p->data + n * p->row_bytes, K, a.xq + m * K, a.sx + m * C, a.xsf + m * C);
+                const float out = dot_ref(p->type, p->data + n * p->row_bytes, K, xq, sx, xs);
                 if (y_bf16) ((uint16_t *)y)[m * N + g + n] = gf2bf16(out);
                 else ((float *)y)[m * N + g + n] = out;
             }
@@ -469,14 +624,16 @@ int selfspec_ggemm_ref(long M, const float *x, const void *wd, float *y) {
     const ss_gweight *w = (const ss_gweight *)wd;
     if (check(w)) return 2;
     gg_act a = {0};
-    if (quantize_all(M, w->in_features, x, 0, &a)) { free_act(&a); return 1; }
-    const long K = w->in_features, C = K / 32, N = w->out_features;
+    if (quantize_all(M, w->in_features, x, 0, w, &a, 0)) { free_act(&a); return 1; }
+    const long K = w->in_features, N = w->out_features;
     for (long m = 0; m < M; m++) {
         long g = 0;
         for (int q = 0; q < w->nparts; q++) {
             const ss_gpart *p = &w->part[q];
+            const int8_t *xq; const float *sx; const int16_t *xs;
+            act_row(&a, p->type, m, K, &xq, &sx, &xs);
             for (long n = 0; n < p->rows; n++)
-                y[m * N + g + n] = dot_ref(p->type, p->data + n * p->row_bytes, K, a.xq + m * K, a.sx + m * C, a.xsf + m * C);
+                y[m * N + g + n] = dot_ref(p->type, p->data + n * p->row_bytes, K, xq, sx, xs);
             g += p->rows;
         }
     }
