@@ -13,12 +13,15 @@
  * its offset) and multiplied into 8 int32 lanes, lane l the exact sum over bytes 4l..4l+3 of
  * v * xq (through |v| and sign(xq, v)); block by block, acc[l] = fmaf(d * sx[c], (float)lane[l], acc[l])
  * and y = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7)).
- * K-quants, super-block sb (256 values, activation block sb) by super-block: one exact integer
- *   S = sum over its values of sc * v * xq (sc: Q4_K / Q5_K the 6-bit scale of the value's
- *       32-value chunk, v the unsigned 0..15 / 0..31; Q6_K the int8 scale of its 16 values, v the
- *       stored value minus 32), and for Q4_K / Q5_K Mi = sum over its chunks s of m[s] * (xs of
- *       the chunk's two groups);
- *   acc = fmaf(d * sx[sb], (float)S, acc), mt = fmaf(dmin * sx[sb], (float)Mi, mt); y = acc - mt.
+ * K-quants, super-block sb (256 values, activation block sb) by super-block, its products
+ * summed in exact integers and then scaled once (sc: Q4_K / Q5_K the 6-bit scale of the value's
+ * 32-value chunk s, v the unsigned 0..15 / 0..31, m[s] its 6-bit min; Q6_K the int8 scale of
+ * its 16 values, v the stored value minus 32):
+ *   Q4_K, Q5_K, in 8 lanes: L[l] = sum over the super-block's chunks of sc * (sum over the chunk's
+ *     bytes 4l..4l+3 of v * xq); ML[l] = m[l] * (the xs of chunk l's two groups);
+ *     acc[l] = fmaf(d * sx[sb], (float)L[l], acc[l]), mt[l] = fmaf(dmin * sx[sb], (float)ML[l], mt[l]);
+ *     y = hsum(acc) - hsum(mt), hsum as above
+ *   Q6_K, one integer: S = sum over the super-block of sc * v * xq; acc = fmaf(d * sx[sb], (float)S, acc); y = acc.
  * Integer sums are exact (|S| < 2^28), so the only rounding is in these fixed chains: a row's
  * result does not depend on how many rows are computed together, nor on the thread count
  * (threads split N), nor on the ISA (selfspec_ggemm_ref is the scalar C of the same chains; the
@@ -241,27 +244,32 @@ static inline int is_k(int type) { return type == T_Q4_K || type == T_Q5_K || ty
 /* the scalar chain for one row of W (type) and one activation row: xq, sx and xs of the
  * activation blocks that type multiplies (32 values, or 256 for the K-quants) */
 static float dot_ref(int type, const uint8_t *row, long K, const int8_t *xq, const float *sx, const int16_t *xs) {
-    float acc[8] = {0}, a = 0.0f, mt = 0.0f;
+    float acc[8] = {0}, mt[8] = {0}, a = 0.0f;
     int8_t v[32];
-    int lsc[8], S = 0, Mi = 0, mi;
+    int lsc[8], L[8] = {0}, ML[8] = {0}, S = 0, mi;
     float d, dmin;
     for (long c = 0; c < K / 32; c++) {
         decode_chunk(type, row, c, v, lsc, &d, &dmin, &mi);
         for (int l = 0; l < 8; l++) {
             int s = 0;
             for (int i = 0; i < 4; i++) s += (int)v[4 * l + i] * (int)xq[32 * c + 4 * l + i];
-            if (is_k(type)) S += lsc[l] * s;
+            if (type == T_Q6_K) S += lsc[l] * s;
+            else if (is_k(type)) L[l] += lsc[l] * s;
             else acc[l] = fmaf(d * sx[c], (float)s, acc[l]);
         }
         if (!is_k(type)) continue;
-        Mi += mi * (xs[2 * c] + xs[2 * c + 1]);
+        ML[c % 8] = mi * (xs[2 * c] + xs[2 * c + 1]);
         if (c % 8 == 7) {
-            a = fmaf(d * sx[c / 8], (float)S, a);
-            if (type != T_Q6_K) mt = fmaf(dmin * sx[c / 8], (float)Mi, mt);
-            S = Mi = 0;
+            const float f = d * sx[c / 8], fm = dmin * sx[c / 8];
+            if (type == T_Q6_K) { a = fmaf(f, (float)S, a); S = 0; continue; }
+            for (int l = 0; l < 8; l++) {
+                acc[l] = fmaf(f, (float)L[l], acc[l]);
+                mt[l] = fmaf(fm, (float)ML[l], mt[l]);
+                L[l] = 0;
+            }
         }
     }
-    return is_k(type) ? a - mt : hsum8(acc);
+    return type == T_Q6_K ? a : is_k(type) ? hsum8(acc) - hsum8(mt) : hsum8(acc);
 }
 
 /* ---- the vector chain ---------------------------------------------------------------------- */
@@ -418,8 +426,9 @@ static inline __attribute__((always_inline)) void part_rows(const gg_job *j, con
             for (int r = 0; r < mr; r++) put(j, m0 + r, g + n, hsum_v(acc[r]));
             continue;
         }
-        float acc[GG_ROWS], mt[GG_ROWS];
-        for (int r = 0; r < mr; r++) acc[r] = mt[r] = 0.0f;
+        float acc[GG_ROWS];                  /* Q6_K */
+        __m256 accv[GG_ROWS], mtv[GG_ROWS]; /* Q4_K, Q5_K: per lane, as the scalar chain */
+        for (int r = 0; r < mr; r++) { acc[r] = 0.0f; accv[r] = mtv[r] = _mm256_setzero_ps(); }
         const __m256i m15 = _mm256_set1_epi8(15);
         for (long sb = 0; sb < C / 8; sb++) {
             const int8_t *x = kq + 256 * sb;   /* row r: x + r * K */
@@ -479,14 +488,17 @@ static inline __attribute__((always_inline)) void part_rows(const gg_job *j, con
                         L[r] = dot_ws(L[r], _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xr + 32))), shi);
                     }
                 }
-                for (int r = 0; r < mr; r++) {
-                    const int Mi = hsum_i(_mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i *)(xs + r * (K / 16)))));
-                    mt[r] = fmaf(dmin * ks[r * (C / 8) + sb], (float)Mi, mt[r]);
+                for (int r = 0; r < mr; r++) { /* lane l: chunk l's min term */
+                    const __m256i ml = _mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i *)(xs + r * (K / 16))));
+                    accv[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * ks[r * (C / 8) + sb]), _mm256_cvtepi32_ps(L[r]), accv[r]);
+                    mtv[r] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * ks[r * (C / 8) + sb]), _mm256_cvtepi32_ps(ml), mtv[r]);
                 }
+                continue;
             }
             for (int r = 0; r < mr; r++) acc[r] = fmaf(d * ks[r * (C / 8) + sb], (float)hsum_i(L[r]), acc[r]);
         }
-        for (int r = 0; r < mr; r++) put(j, m0 + r, g + n, acc[r] - mt[r]);
+        for (int r = 0; r < mr; r++)
+            put(j, m0 + r, g + n, p->type == T_Q6_K ? acc[r] : hsum_v(accv[r]) - hsum_v(mtv[r]));
     }
 }
 
