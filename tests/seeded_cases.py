@@ -1,7 +1,8 @@
 """Seeded sampled outputs of plain, unscreened decoding, stored (tests/data/seeded_outputs.json)
 so that a change to how a sampled token is computed (the screened Gumbel pick, sampled_head.py)
 is checked against the texts the code gave before it: `python tests/seeded_cases.py` wrote
-them, from the code before the screen existed.
+them, from the code before the screen existed. The texts hold for one chain of kernels: each entry
+is keyed by the runtime's numerics, and a machine whose chain has no entry skips the comparison.
 
 Tiny models with a 2048-token vocabulary (a head the screen can leave mostly unread), fp32 and
 bf16, every sampling shape (temperature alone, top-k, top-p, both, a processor and min_p), the
@@ -133,17 +134,31 @@ def default_outputs(model) -> dict:
     return out
 
 
+def tiny_key(arch: str, dtype: str, model) -> str:
+    """The stored entry of a tiny case: its texts hold for one chain of kernels (runtime.numerics:
+    bf16 runs VDPBF16PS pairs where the CPU has them, the fp32 FMA chain where it does not)."""
+    return f"{arch}|{dtype}|{model.runtime.numerics}"
+
+
 def main(argv: list[str]) -> None:
+    """Adds this machine's chains to the stored entries (those of other chains are kept); run it
+    with SELFSPEC_EXACT_PICKS=1 SELFSPEC_EXACT_HEAD=1 (plain, unscreened decoding)."""
     torch.set_num_threads(1)
     data = json.loads(DATA.read_text()) if DATA.exists() else {}
     if "tiny" in argv:
-        data["tiny"] = {f"{a}|{d}": tiny_outputs(tiny_model(helpers.load_tiny, a, d)) for a in ARCHS for d in DTYPES}
+        for a in ARCHS:
+            for d in DTYPES:
+                model = tiny_model(helpers.load_tiny, a, d)
+                data.setdefault("tiny", {})[tiny_key(a, d, model)] = tiny_outputs(model)
     if "grammar" in argv:
         data["grammar"] = grammar_outputs(*grammar_model())
     if "default" in argv:
-        data["default_bf16"] = default_outputs(selfspec.load("gemma-3-270m", dtype="bfloat16"))
+        model = selfspec.load("gemma-3-270m", dtype="bfloat16")
+        data.setdefault("default_bf16", {})[model.runtime.numerics] = default_outputs(model)
     DATA.parent.mkdir(exist_ok=True)
-    DATA.write_text(json.dumps(data, separators=(",", ":")) + "\n")
+    tmp = DATA.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, separators=(",", ":")) + "\n")
+    tmp.replace(DATA)
 
 
 if __name__ == "__main__":

@@ -175,20 +175,26 @@ def test_seeded_outputs_are_the_stored_unscreened_texts(zoo, monkeypatch, arch):
     stored = json.loads(seeded_cases.DATA.read_text())["tiny"]
     monkeypatch.setattr(sampled_head, "SCREEN_TRUNCATED", True)
     processed = _count_processed(monkeypatch)
+    checked = 0
     for dtype in seeded_cases.DTYPES:
         model = seeded_cases.tiny_model(zoo.get, arch, dtype)
+        want = stored.get(seeded_cases.tiny_key(arch, dtype, model))
+        if want is None:  # no texts stored for this machine's chain (python tests/seeded_cases.py tiny adds them)
+            continue
+        checked += 1
         sh = _force_screen(model)
         try:
             got = seeded_cases.tiny_outputs(model)
         finally:
             model.runtime._screened = None  # the rest of the suite runs the model as shipped
-        want = stored[f"{arch}|{dtype}"]
         assert got.keys() == want.keys()
         bad = [k for k in want if got[k] != want[k]]
         assert not bad, (dtype, bad[:5])
         assert sh.picks > 100 and sh.pick_full < sh.picks  # the screen decided the rows it could
+    if not checked:
+        pytest.skip("no stored texts for this machine's kernel chains")
     print("processed rows the screen decided:", processed)
-    assert processed["argmax"] > 50 and processed["gumbel"] > 200, processed
+    assert processed["argmax"] > 50 * checked / 2 and processed["gumbel"] > 200 * checked / 2, processed
 
 
 _grammar_models: list = []
@@ -219,7 +225,9 @@ def test_grammar_outputs_are_the_stored_unscreened_texts(monkeypatch, few):
 
 @pytest.mark.slow
 def test_default_model_seeded_outputs_are_the_stored_ones(default_model_bf16):
-    stored = json.loads(seeded_cases.DATA.read_text())["default_bf16"]
+    stored = json.loads(seeded_cases.DATA.read_text())["default_bf16"].get(default_model_bf16.runtime.numerics)
+    if stored is None:
+        pytest.skip(f"no stored texts for {default_model_bf16.runtime.numerics} (python tests/seeded_cases.py default adds them)")
     sh = screened_head(default_model_bf16.runtime)
     picks = sh.picks
     got = seeded_cases.default_outputs(default_model_bf16)
