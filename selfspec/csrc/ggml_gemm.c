@@ -396,8 +396,7 @@ static inline __attribute__((always_inline)) void part_rows(const gg_job *j, con
             for (long c = 0; c < C; c++) {
                 const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * c));
                 const __m256i v0 = legacy_values(p->type, r0 + c * bytes), v1 = legacy_values(p->type, r1 + c * bytes);
-                const __m256i s0 = dot_us(_mm256_sign_epi8(v0, v0), _mm256_sign_epi8(x, v0));
-                const __m256i s1 = dot_us(_mm256_sign_epi8(v1, v1), _mm256_sign_epi8(x, v1));
+                const __m256i s0 = dot_ss(v0, x), s1 = dot_ss(v1, x);
                 a0 = _mm256_fmadd_ps(_mm256_set1_ps(gh2f(r0 + c * bytes) * sx[c]), _mm256_cvtepi32_ps(s0), a0);
                 a1 = _mm256_fmadd_ps(_mm256_set1_ps(gh2f(r1 + c * bytes) * sx[c]), _mm256_cvtepi32_ps(s1), a1);
             }
