@@ -331,10 +331,11 @@ static inline __m256i bits_to_bytes(uint32_t bits) {
 #endif
 }
 
+/* 16 bytes -> their 32 nibbles: low nibbles in bytes 0..15, high ones in 16..31 (the 16 bytes
+ * in both halves, the high half shifted, one mask: no lane-crossing insert) */
 static inline __m256i nibbles(const uint8_t *qs16) {
-    const __m128i q = _mm_loadu_si128((const __m128i *)qs16);
-    const __m128i m = _mm_set1_epi8(15);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
+    const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs16));
+    return _mm256_and_si256(_mm256_blend_epi32(q, _mm256_srli_epi16(q, 4), 0xF0), _mm256_set1_epi8(15));
 }
 
 static inline float hsum_v(__m256 a) {
@@ -349,8 +350,13 @@ static inline __m256i legacy_values(int type, const uint8_t *b) {
     if (type == T_Q4_0) return _mm256_sub_epi8(nibbles(b + 2), _mm256_set1_epi8(8));
     uint32_t qh;
     memcpy(&qh, b + 2, 4);
-    const __m256i hb = _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(16));
-    return _mm256_sub_epi8(_mm256_or_si256(nibbles(b + 6), hb), _mm256_set1_epi8(16));
+    /* value - 16 as a byte: the nibble where the high bit is set, nibble | 0xF0 (= nibble - 16) where not */
+    return _mm256_or_si256(nibbles(b + 6), _mm256_andnot_si256(bits_to_bytes(qh), _mm256_set1_epi8((char)0xF0)));
+}
+
+/* a block's fp16 scale in all 8 lanes */
+static inline __m256 scale8(const uint8_t *b) {
+    return _mm256_cvtph_ps(_mm_set1_epi16((short)((uint16_t)b[0] | (uint16_t)b[1] << 8)));
 }
 
 /* Software prefetch into L2 of the bytes [p, p + n) (hints: never fault, no effect on results).
@@ -397,8 +403,9 @@ static inline __attribute__((always_inline)) void part_rows(const gg_job *j, con
                 const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * c));
                 const __m256i v0 = legacy_values(p->type, r0 + c * bytes), v1 = legacy_values(p->type, r1 + c * bytes);
                 const __m256i s0 = dot_ss(v0, x), s1 = dot_ss(v1, x);
-                a0 = _mm256_fmadd_ps(_mm256_set1_ps(gh2f(r0 + c * bytes) * sx[c]), _mm256_cvtepi32_ps(s0), a0);
-                a1 = _mm256_fmadd_ps(_mm256_set1_ps(gh2f(r1 + c * bytes) * sx[c]), _mm256_cvtepi32_ps(s1), a1);
+                const __m256 xd = _mm256_broadcast_ss(sx + c); /* d * sx rounded once, as the scalar chain */
+                a0 = _mm256_fmadd_ps(_mm256_mul_ps(scale8(r0 + c * bytes), xd), _mm256_cvtepi32_ps(s0), a0);
+                a1 = _mm256_fmadd_ps(_mm256_mul_ps(scale8(r1 + c * bytes), xd), _mm256_cvtepi32_ps(s1), a1);
             }
             put(j, m0, g + n, hsum_v(a0));
             put(j, m0, g + n + 1, hsum_v(a1));
@@ -413,13 +420,13 @@ static inline __attribute__((always_inline)) void part_rows(const gg_job *j, con
             for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_ps();
             for (long c = 0; c < C; c++) {
                 const uint8_t *b = row + c * bytes;
-                const float d = gh2f(b);
+                const __m256 d = scale8(b);
                 const __m256i v = legacy_values(p->type, b);
                 const __m256i av = _mm256_sign_epi8(v, v);
                 for (int r = 0; r < mr; r++) {
                     const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * K + 32 * c));
                     const __m256i s = dot_us(av, _mm256_sign_epi8(x, v));
-                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * sx[r * C + c]), _mm256_cvtepi32_ps(s), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_broadcast_ss(sx + r * C + c)), _mm256_cvtepi32_ps(s), acc[r]);
                 }
             }
             for (int r = 0; r < mr; r++) put(j, m0 + r, g + n, hsum_v(acc[r]));
