@@ -138,12 +138,20 @@ def rotary_tables(config, spec: ModelSpec, length: int) -> dict[str, tuple[torch
         config = config.text_config
     kinds = sorted(set(spec.rope_kinds))
     params = {k: _rope_params(config, k) for k in kinds}
+    factors = getattr(config, "rope_freq_factors", None)  # a GGUF's rope_freqs (gguf_load.config_dict)
     if any(p is None or p.get("rope_type", "default") in _SEQ_DEPENDENT for p in params.values()):
+        if factors is not None:
+            raise SelfSpecError("a GGUF's rope_freqs with sequence-dependent rope scaling is not supported")
         return _module_tables(config, spec, length)
     pos = torch.arange(length).float()[:, None]  # [T, 1]
     tables = {}
     for kind in kinds:
         inv_freq, scaling = _inv_freq(config, params[kind], None if kind == "default" else kind)
+        if factors is not None:  # llama.cpp's rope_freqs: each angle divided by its frequency's factor
+            if len(factors) != inv_freq.shape[0]:
+                raise SelfSpecError(f"the GGUF's rope_freqs has {len(factors)} factors; its rotary dimension "
+                                    f"{2 * inv_freq.shape[0]} needs {inv_freq.shape[0]}")
+            inv_freq = inv_freq.float() / torch.tensor(factors, dtype=torch.float32)
         freqs = pos * inv_freq.float()[None]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         tables[kind] = ((emb.cos() * scaling).float(), (emb.sin() * scaling).float())

@@ -90,6 +90,10 @@ def config_dict(f: GGUFFile) -> dict:
         cfg["head_dim"] = int(key_length)
     cfg["model_type"] = ARCHITECTURES[arch]
     cfg["tie_word_embeddings"] = "output.weight" not in f.tensors
+    if (info := f.tensors.get("rope_freqs.weight")) is not None:
+        # llama.cpp's per-frequency divisors of the rotary angles: how its converter stores Llama
+        # 3.1+'s llama3 rope scaling (no metadata key says it); architectures.rotary_tables applies them
+        cfg["rope_freq_factors"] = _dequantized(f.read_rows(info, 0, 1), info).reshape(-1).astype(np.float64).tolist()
     if "vocab_size" not in cfg:
         tokens = f.metadata.get("tokenizer.ggml.tokens")
         if isinstance(tokens, StringArray):

@@ -55,6 +55,20 @@ def random_blocks(qtype, rows: int, cols: int, seed: int, scale: float = 0.004) 
     return raw.reshape(rows, -1)
 
 
+def llama3_rope_factors(rope: dict, dim: int) -> np.ndarray:
+    """What llama.cpp's converter stores as rope_freqs for llama3 rope scaling: per frequency the
+    divisor of its angle, 1 for wavelengths under original / high_freq_factor, `factor` above
+    original / low_freq_factor, and in between the inverse of the blend transformers applies to
+    inv_freq ((1 - s) / factor + s, s linear in original / wavelength)."""
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    wavelen = 2 * np.pi / freqs
+    smooth = (old / wavelen - low) / (high - low)
+    out = np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, 1 / ((1 - smooth) / factor + smooth)))
+    return out.astype(np.float32)
+
+
 def write_gguf(hf_model, path: Path, matrix_type=gguf.GGMLQuantizationType.Q8_0, block_types: dict | None = None) -> Path:
     """hf_model (a tiny transformers causal LM) as a GGUF file at path; norms F32, matrices
     (and the embedding) in matrix_type, or block_types[<llama.cpp name>] (e.g. "ffn_down",
@@ -72,7 +86,10 @@ def write_gguf(hf_model, path: Path, matrix_type=gguf.GGMLQuantizationType.Q8_0,
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(10000.0)
+    rope = cfg.rope_parameters if isinstance(getattr(cfg, "rope_parameters", None), dict) else {}
+    w.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)) if arch == "llama" else 10000.0)
+    if arch == "llama" and rope.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, head_dim))
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)

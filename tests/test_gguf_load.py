@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import gguf_files
 import helpers
 from gguf_files import transformers_model, write_gguf
 
@@ -39,9 +40,41 @@ def test_tensors_config_and_tokens_match_transformers_gguf_loader(arch, qtype, k
     tok = helpers.word_tokenizer()
     mine, theirs = selfspec.load(path, tokenizer=tok, dtype="float32"), selfspec.load(ref, tokenizer=tok, dtype="float32")
     assert mine.fingerprint == theirs.fingerprint
+    if arch == "llama3":
+        return  # its rope scaling is the rope_freqs tensor, which transformers' GGUF loader drops: test_llama3_rope_freqs_are_read
     for prompt in helpers.prompts(n=2):
         a = mine.generate(prompt, max_new_tokens=8, strategy="autoregressive").token_ids
         assert a == theirs.generate(prompt, max_new_tokens=8, strategy="autoregressive").token_ids
+
+
+def test_llama3_rope_freqs_are_read(tmp_path):
+    """Llama 3.1+'s llama3 rope scaling is in a GGUF only as the rope_freqs tensor (llama.cpp's
+    divisors of the rotary angles): read, the file's model is the original's, logit for logit;
+    without it (transformers' GGUF loader drops the tensor: the control) the logits move."""
+    hf = helpers.build_hf("llama3", seed=5)
+    path = write_gguf(hf, tmp_path / "tiny-llama3.gguf", Q.F32)
+    assert "rope_freq_factors" in gguf_load.hf_config(GGUFFile(path)).to_dict()
+    tok = helpers.word_tokenizer()
+    ids = torch.arange(3, 43) % hf.config.vocab_size  # 40 positions: past the scaling's original 16
+
+    def logits(model) -> torch.Tensor:
+        rt = selfspec.load(model, tokenizer=tok, dtype="float32").runtime
+        with torch.inference_mode(), rt.compute_scope():
+            return rt.forward(ids, 0, rt.new_cache(len(ids)))
+
+    want, got, dropped = logits(hf), logits(path), logits(transformers_model(path))
+    err = float((got - want).abs().max())
+    assert err <= 1e-4 * float(want.abs().max())
+    assert float((dropped - want).abs().max()) > 100 * max(err, 1e-7)
+
+
+def test_rope_freqs_of_the_wrong_length_are_one_line(tmp_path, monkeypatch):
+    hf = helpers.build_hf("llama3", seed=5)
+    factors = gguf_files.llama3_rope_factors
+    monkeypatch.setattr(gguf_files, "llama3_rope_factors", lambda rope, dim: factors(rope, dim)[:-1])
+    path = write_gguf(hf, tmp_path / "bad-rope.gguf", Q.F32)
+    with pytest.raises(SelfSpecError, match="rope_freqs has 7 factors; its rotary dimension 16 needs 8"):
+        selfspec.load(path, tokenizer=helpers.word_tokenizer(), dtype="float32")
 
 
 def test_rows_are_read_a_chunk_at_a_time(tmp_path):
