@@ -81,7 +81,8 @@ class HeadRows:
     def __init__(self, x: torch.Tensor, screen: ScreenedHead, full: Callable[[torch.Tensor], torch.Tensor]):
         self.x, self.screen, self._make_full = x, screen, full
         self.shape = torch.Size((x.shape[0], screen.head.shape[1]))
-        self._a = self._full = None
+        self._a = self._full = self._one = None  # _one: (i, row i's logits), the first row asked for alone
+        self._given: set[int] = set()  # rows the screen left to the full head (counted in screen.pick_full)
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -93,8 +94,20 @@ class HeadRows:
         """Every row's logits [R, V] (fp32), as Runtime.logits computes them."""
         if self._full is None:
             self._full = self._make_full(self.x)
-            self.screen.pick_full += 1
         return self._full
+
+    def full_row(self, i: int) -> torch.Tensor:
+        """Row i's logits [V] (fp32), full()[i] bit for bit (the head is row-invariant): the first
+        row the screen leaves undecided is computed alone (a verify's rows rarely need more than
+        one: ~5% of top-p rows do), the others together once a second one is asked for."""
+        if i not in self._given:
+            self._given.add(i)
+            self.screen.pick_full += 1
+        if self._full is not None:
+            return self._full[i]
+        if self._one is None:
+            self._one = (i, self._make_full(self.x[i : i + 1])[0])
+        return self._one[1] if self._one[0] == i else self.full()[i]
 
     def screened(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(a [R, V], xn, dxn [R]): the int8 head's values of every row (one read of it) and the
@@ -123,7 +136,7 @@ class HeadRow(LazyRow):
         self.rows, self.i = rows, i
 
     def full(self) -> torch.Tensor:
-        return self.rows.full()[self.i]
+        return self.rows.full_row(self.i)
 
     # ---- the pieces: bounds and exact values of the (processed) row ---------------------------
 
