@@ -263,8 +263,8 @@ def load_tokenizer(path: Path, d: Path):
     try:
         if (init := _cached_init(d)) is not None:  # the constructor: from_pretrained costs as much again
             tok = PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"), **init)
-            # parsing a 262k-entry tokenizer.json frees ~2x what the tokenizer keeps (~0.2 GB for
-            # Gemma's), and glibc would keep those pages resident beside the weights
+            # parsing a large tokenizer.json frees more than the tokenizer keeps, and glibc would
+            # keep those pages resident beside the weights (benchmarks/RESULTS.md, the load's peak)
             release_freed()
             return tok
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)

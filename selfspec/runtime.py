@@ -139,13 +139,10 @@ class Runtime:
         return kernels.compute_scope() if self.uses_kernels else contextlib.nullcontext()
 
     def warm_up(self) -> None:
-        """One short pass, so that a process's first prompt does not pay one-time costs (the
-        OpenMP thread team, first touches of the kernels' code and buffers)."""
+        """One short pass, so that a first prompt does not pay one-time costs (the OpenMP thread team,
+        first touches of code and buffers); a 4-position cache: it sits beside every weight touched."""
         with torch.inference_mode(), self.compute_scope():
             ids = torch.zeros(2, dtype=torch.long, device=self.device)
-            # a 4-position cache, not new_cache's 256 (13 MB of fp32 cache at 1B, resident
-            # beside every weight the pass touches: the load's peak)
-            self._ensure_rope(4)
             cache = KVCache(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, 4, self.dtype, self.device)
             self.forward(ids, 0, cache)
             self.forward(ids[:1], 2, cache)
@@ -173,7 +170,7 @@ class Runtime:
     def _ensure_rope(self, length: int) -> None:
         if length <= self._rope_len:
             return
-        length = max(length, 2 * self._rope_len, 1024)  # geometric growth: rarely recomputed (a table costs 4 KB a position at head_dim 256, per rope kind)
+        length = max(length, 2 * self._rope_len, 1024)  # grow geometrically: rarely recompute
         tables = rotary_tables(self.hf_config, self.spec, length)
         # HF casts cos/sin to the activation dtype before use; we do the same once here. The
         # fused blocks compute in fp32 between bf16 matmuls, so they get the fp32 tables.

@@ -98,8 +98,9 @@ class HeadRows:
 
     def full_row(self, i: int) -> torch.Tensor:
         """Row i's logits [V] (fp32), full()[i] bit for bit (the head is row-invariant): the first
-        row the screen leaves undecided is computed alone (a verify's rows rarely need more than
-        one: ~5% of top-p rows do), the others together once a second one is asked for."""
+        row the screen leaves undecided is computed alone (a verify pass rarely has a second one:
+        top-p's undecided rows are about the share 1 - top_p), the others together once a second
+        one is asked for."""
         if i not in self._given:
             self._given.add(i)
             self.screen.pick_full += 1
