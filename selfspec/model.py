@@ -389,8 +389,8 @@ def load(
     spec = ModelSpec.from_hf_config(config)
     runtime = ggml_weights.runtime(spec, sd, config, run[0], torch_dtype, device)
     del sd
-    # the tokenizer first: its parse's transient heap is given back before the warm-up pass
-    # touches every weight (a GGUF's mapped blocks: all of the file), which sets the load's peak
+    # the tokenizer first: its parse frees more than it keeps (glibc would keep those pages), given
+    # back before the warm-up pass touches every weight (a GGUF's mapped blocks), the load's peak
     tok = resolve_tokenizer(tok)
     release_freed()
     runtime.warm_up()
