@@ -60,7 +60,7 @@ from selfspec.config import SamplingConfig
 from selfspec.coupling import LazyRow, pick_entries
 from selfspec.greedy_head import ScreenedHead
 from selfspec.processors import min_p_floor
-from selfspec.kernels.screen import act_residual, exact_columns, gumbel_reach, nucleus_tail, screen_bounds, screen_qgemm
+from selfspec.kernels.screen import act_residual, at_least, exact_columns, gumbel_reach, nucleus_tail, screen_bounds, screen_qgemm
 
 ENABLED = os.environ.get("SELFSPEC_EXACT_PICKS") != "1"  # off: every sampled row is computed in full (benchmarks)
 CAP = 4096  # candidates a row may have before the full head decides it
@@ -141,16 +141,18 @@ class HeadRow(LazyRow):
 
     # ---- the pieces: bounds and exact values of the (processed) row ---------------------------
 
-    def _bounds(self, edit) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(lo, up) fp32 [V], lo <= z <= up for every token's (processed) logit z; None when the
-        screen's bounds are not finite."""
+    def _bounds(self, edit) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """(lo, up, max lo): fp32 [V], lo <= z <= up for every token's (processed) logit z; None
+        when the screen's bounds are not finite."""
         a, xn, dxn = self.rows.screened()
         bounds = screen_bounds(a[self.i], self.rows.screen.ab, float(xn[self.i]), float(dxn[self.i]),
                                self.rows.x.dtype == torch.bfloat16)
-        if bounds is not None and edit is not None:
-            for b in bounds:  # monotone, token by token: bounds of the processed row
-                edit.edit(b)
-        return bounds
+        if bounds is None or edit is None:
+            return bounds
+        lo, up, _ = bounds
+        for b in (lo, up):  # monotone, token by token: bounds of the processed row
+            edit.edit(b)
+        return lo, up, float(lo.max())
 
     def _exact(self, ids: torch.Tensor, edit) -> torch.Tensor | None:
         """The (processed) logits at tokens ids [n] (ascending), bit for bit the full row's; None
@@ -179,10 +181,11 @@ class HeadRow(LazyRow):
             bounds = self._bounds(edit)
             if bounds is None:
                 return None
-            lo, up = bounds
-            ids = (up >= lo.max()).nonzero().flatten()
-            if len(ids) > CAP:
+            lo, up, lo_max = bounds
+            ids = at_least(up, lo_max, CAP)
+            if ids is None:
                 return None
+            ids = ids.long()
             if len(ids) > ROUND:
                 first = up[ids].topk(ROUND).indices.sort().values
                 vals = self._exact(ids[first], edit)
@@ -221,15 +224,15 @@ class HeadRow(LazyRow):
         bounds = self._bounds(edit)
         if bounds is None:
             return None
-        lo, up = bounds
+        lo, up, lo_max = bounds
         self.rows.screen.picks += 1
         tau = top = None
         if min_p or truncated:
-            top = (up >= lo.max()).nonzero().flatten().to(torch.int32)  # holds the row's maximum
-            if len(top) > TRUNCATED_COLUMNS:
+            top = at_least(up, lo_max, TRUNCATED_COLUMNS)  # holds the row's maximum
+            if top is None:  # more than TRUNCATED_COLUMNS
                 if truncated:
                     return None
-                top = None  # min_p alone: its floor between those of max lo and of max up
+                # min_p alone: its floor between those of max lo and of max up
         if top is not None:
             vt = self._exact(top, edit)
             if vt is None:
@@ -252,9 +255,14 @@ class HeadRow(LazyRow):
         if len(ids) > TRUNCATED_COLUMNS:
             return None
         self.rows.screen.pick_candidates += len(ids)
-        vals = self._exact(ids, edit)
-        if vals is None:
-            return None
+        known = torch.isin(ids, top)  # their values are vt's: only the others are computed
+        vals = torch.empty(len(ids), dtype=torch.float32)
+        vals[known] = vt[torch.searchsorted(top, ids[known])]
+        if not bool(known.all()):
+            rest = self._exact(ids[~known], edit)
+            if rest is None:
+                return None
+            vals[~known] = rest
         return self._pick(ids, vals, cand, (lo, up), t, tau, top_k, top_p, key, pos)
 
     def _temperature(self, lo: torch.Tensor, up: torch.Tensor, temperature: float, tau: tuple | None, key: int,

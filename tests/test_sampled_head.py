@@ -22,7 +22,7 @@ from selfspec import kernels, sampled_head
 from selfspec.config import GenerationConfig, LogitBias, SamplingConfig
 from selfspec.coupling import gumbel_noise, gumbel_token
 from selfspec.greedy_head import ScreenedHead, screened_head
-from selfspec.kernels.screen import exp_bound, gumbel_reach, nucleus_tail, screen_bounds
+from selfspec.kernels.screen import act_residual, at_least, exp_bound, gumbel_reach, nucleus_tail, screen_bounds, screen_qgemm
 from selfspec.processors import Processing, ProcessedRow, min_p_floor
 
 from test_greedy_head import LAYOUTS, _full, _head, _rows
@@ -423,3 +423,31 @@ def test_gumbel_reach_is_its_definition(threads):
                         continue
                     assert got is not None and got[0].tolist() == want.tolist() and torch.equal(got[1], su[want]), (n, shape, t)
                     assert got[2] == thr
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_at_least_and_the_bounds_max_are_their_definitions(threads):
+    """kernels.at_least (one pass split among the pool's threads, shares merged in order) is
+    (x >= thr).nonzero() with its cap, and screen_bounds' max lo is lo.max(), whatever the team:
+    lengths off every split, ties at the threshold, -inf entries, a cap met exactly and passed."""
+    g = torch.Generator().manual_seed(12)
+    for n in (7, 70001, 262147):
+        x = torch.randn(n, generator=g)
+        x[:: 89] = float("-inf")
+        x[5] = x[n // 2] = x[-1] = 1.5  # ties at the threshold, at both ends and across a split
+        for thr in (1.5, 3.0, float("-inf")):
+            want = (x >= thr).nonzero().flatten().to(torch.int32)
+            for cap in (len(want), max(len(want) - 1, 0), 4096):
+                got = at_least(x, thr, cap, threads=threads)
+                if len(want) > cap:
+                    assert got is None, (n, thr, cap)
+                else:
+                    assert got is not None and torch.equal(got, want), (n, thr, cap)
+    sh = ScreenedHead.make(torch.randn(64, 70001, generator=g) / 8)
+    x = torch.randn(1, 64, generator=g)
+    a = screen_qgemm(x, sh.qhead)
+    xn, dxn = act_residual(x, round_bf16=sh.pairs)
+    one = screen_bounds(a[0], sh.ab, float(xn[0]), float(dxn[0]), False, threads=1)
+    lo, up, lo_max = screen_bounds(a[0], sh.ab, float(xn[0]), float(dxn[0]), False, threads=threads)
+    assert torch.equal(lo, one[0]) and torch.equal(up, one[1]) and lo_max == float(lo.max()) == one[2]
+    assert bool((lo <= up).all())

@@ -524,19 +524,101 @@ int selfspec_screen_quantize(long K, long N, const void *w, int w_bf16, int layo
  * moves a value by at most 2^-24 of it), then rounded to bf16 when round_out: rounding to
  * nearest is monotone, so bf16(lo) <= bf16(l) <= bf16(up). Returns 0, or 1 when a bound is not
  * finite (the caller computes the row in full). */
-int selfspec_screen_bounds(long V, const float *a, const float *ab, double xn, double dxn, int round_out, float *lo, float *up) {
-    if (!(xn < 1e15 && dxn < 1e15)) return 1;
-    const float *al = ab, *be = ab + V;
+typedef struct {
+    long V;
+    const float *a, *al, *be;
+    double xn, dxn;
+    int round_out;
+    float *lo, *up;
+    float lo_max[MAX_TEAM];
+    int bad[MAX_TEAM];
+} bounds_job;
+
+static void bounds_region(void *ctx, int t, int nt) {
+    bounds_job *j = (bounds_job *)ctx;
+    long v0, v1;
+    ss_share(j->V, t, nt, &v0, &v1);
+    const float *restrict a = j->a, *restrict al = j->al, *restrict be = j->be;
+    float *restrict lo = j->lo, *restrict up = j->up;
+    const double X = j->xn, D = j->dxn;
+    const int round_out = j->round_out;
     int bad = 0;
-    for (long v = 0; v < V; v++) {
-        double e = sc_e(xn, dxn, al, be, v), u = (double)a[v] + e, l = (double)a[v] - e;
+    float m = -INFINITY;
+    for (long v = v0; v < v1; v++) {
+        double e = sc_e(X, D, al, be, v), u = (double)a[v] + e, l = (double)a[v] - e;
         float fu = (float)(u + fabs(u) * 0x1p-22 + SCREEN_TINY), fl = (float)(l - fabs(l) * 0x1p-22 - SCREEN_TINY);
         bad |= !(fabsf(fu) <= FLT_MAX) | !(fabsf(fl) <= FLT_MAX);
         up[v] = round_out ? sc_bf16_to_f32(sc_f32_to_bf16(fu)) : fu;
         lo[v] = round_out ? sc_bf16_to_f32(sc_f32_to_bf16(fl)) : fl;
     }
+    /* the max apart, so that the loop above stays vectorised (a float max reduction would not be) */
+    long v = v0;
+    __m256 vm = _mm256_set1_ps(-INFINITY);
+    for (; v + 8 <= v1; v += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(lo + v));
+    float mv[8];
+    _mm256_storeu_ps(mv, vm);
+    for (int q = 0; q < 8; q++) m = mv[q] > m ? mv[q] : m;
+    for (; v < v1; v++) m = lo[v] > m ? lo[v] : m;
+    j->lo_max[t] = m;
+    j->bad[t] = bad;
+}
+
+/* *lo_max: the largest lo written (each entry is the same whatever the team; the team only splits
+ * the range) */
+int selfspec_screen_bounds(long V, const float *a, const float *ab, double xn, double dxn, int round_out, float *lo, float *up,
+                           float *lo_max, int nthreads) {
+    if (!(xn < 1e15 && dxn < 1e15)) return 1;
+    bounds_job job = {V, a, ab, ab + V, xn, dxn, round_out, lo, up, {0}, {0}};
+    int nt = screen_team(V, nthreads);
+    ss_parallel(nt, bounds_region, &job);
+    int bad = 0;
+    float m = -INFINITY;
+    for (int t = 0; t < nt; t++) {
+        bad |= job.bad[t];
+        m = job.lo_max[t] > m ? job.lo_max[t] : m;
+    }
+    *lo_max = m;
     return bad;
 }
+
+/* ---- the entries of a row at least a threshold: {v : x[v] >= thr} ascending into out (at most
+ * cap), for the screened pick's exact columns (every token that may hold the row's maximum) */
+typedef struct {
+    const float *x;
+    long n, cap;
+    float thr;
+    int32_t *out;
+    long found[MAX_TEAM];
+} atleast_job;
+
+static void atleast_region(void *ctx, int t, int nt) {
+    atleast_job *j = (atleast_job *)ctx;
+    long v0, v1, c = 0;
+    ss_share(j->n, t, nt, &v0, &v1);
+    int32_t *o = j->out + (size_t)t * (size_t)(j->cap + 1);
+    for (long v = v0; v < v1; v++)
+        if (j->x[v] >= j->thr) {
+            if (c == j->cap + 1) break;  /* more than cap: the caller gives up on the row */
+            o[c++] = (int32_t)v;
+        }
+    j->found[t] = c;
+}
+
+/* out must hold (cap + 1) * threads entries (selfspec_at_least_space); returns how many (cap + 1:
+ * more than cap), the first of them moved to out[0..) */
+long selfspec_at_least(const float *x, long n, float thr, int32_t *out, long cap, int nthreads) {
+    int nt = screen_team(n, nthreads);
+    atleast_job job = {x, n, cap, thr, out, {0}};
+    ss_parallel(nt, atleast_region, &job);
+    long c = 0;
+    for (int t = 0; t < nt && c <= cap; t++) {
+        const int32_t *o = out + (size_t)t * (size_t)(cap + 1);
+        for (long i = 0; i < job.found[t] && c <= cap; i++) out[c++] = o[i];  /* o >= out + c: a forward move */
+    }
+    return c;
+}
+
+long selfspec_at_least_space(long cap, int nthreads) { return (cap + 1) * screen_team(1L << 30, nthreads); }
 
 /* ---- the screened Gumbel-max pick's candidates on the pool's threads (csrc/gumbel.c's
  * selfspec_gumbel_reach_range explains the set; each thread runs a share, the shares merge) */

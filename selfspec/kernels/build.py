@@ -153,7 +153,11 @@ def _load():
                                                  + [ctypes.c_void_p] * 2 + [ctypes.c_long] + [ctypes.c_void_p] * 6 + [ctypes.c_int])
             dll.selfspec_screen_bounds.restype = ctypes.c_int
             dll.selfspec_screen_bounds.argtypes = ([ctypes.c_long] + [ctypes.c_void_p] * 2 + [ctypes.c_double] * 2 + [ctypes.c_int]
-                                                   + [ctypes.c_void_p] * 2)
+                                                   + [ctypes.c_void_p] * 3 + [ctypes.c_int])
+            dll.selfspec_at_least.restype = ctypes.c_long
+            dll.selfspec_at_least.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
+            dll.selfspec_at_least_space.restype = ctypes.c_long
+            dll.selfspec_at_least_space.argtypes = [ctypes.c_long, ctypes.c_int]
             dll.selfspec_gumbel_reach.restype = ctypes.c_long
             dll.selfspec_gumbel_reach.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_long, ctypes.c_float, ctypes.c_uint64, ctypes.c_int64]
                                                   + [ctypes.c_void_p] * 2 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_int])

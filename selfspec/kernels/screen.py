@@ -129,15 +129,30 @@ def screen_quantize(w: PackedWeight | torch.Tensor, g_k: float, g_b: float) -> t
     return QuantizedWeight(q, scale, None, k, n, bits=8), ab
 
 
-def screen_bounds(a: torch.Tensor, ab: torch.Tensor, xn: float, dxn: float, round_out: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+def screen_bounds(a: torch.Tensor, ab: torch.Tensor, xn: float, dxn: float, round_out: bool,
+                  threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor, float] | None:
     """One row's interval bounds on the head's logits: a [V] fp32 (screen_qgemm's row), ab [2, V]
-    (alpha, beta), xn / dxn its act_residual -> (lo, up) fp32 [V] with lo <= logit <= up for
-    every column (bf16-rounded logits when round_out); None when a bound is not finite."""
+    (alpha, beta), xn / dxn its act_residual -> (lo, up, max lo): fp32 [V] with lo <= logit <= up
+    for every column (bf16-rounded logits when round_out), and lo's largest entry; None when a
+    bound is not finite."""
     a, ab = a.contiguous(), ab.contiguous()
     v = a.shape[0]
     lo, up = torch.empty(v, dtype=torch.float32), torch.empty(v, dtype=torch.float32)
-    rc = _dll().selfspec_screen_bounds(v, a.data_ptr(), ab.data_ptr(), xn, dxn, int(round_out), lo.data_ptr(), up.data_ptr())
-    return None if rc else (lo, up)
+    lo_max = ctypes.c_float()
+    rc = _dll().selfspec_screen_bounds(v, a.data_ptr(), ab.data_ptr(), xn, dxn, int(round_out), lo.data_ptr(), up.data_ptr(),
+                                       ctypes.byref(lo_max), _pool.threads() if threads is None else threads)
+    return None if rc else (lo, up, lo_max.value)
+
+
+def at_least(x: torch.Tensor, thr: float, cap: int, threads: int | None = None) -> torch.Tensor | None:
+    """The entries of x [V] fp32 with x >= thr, int32 ascending ((x >= thr).nonzero(), one
+    pass on the pool's threads); None when there are more than cap."""
+    x = x.contiguous()
+    nt = _pool.threads() if threads is None else threads
+    dll = _dll()
+    out = torch.empty(dll.selfspec_at_least_space(cap, nt), dtype=torch.int32)
+    n = dll.selfspec_at_least(x.data_ptr(), len(x), thr, out.data_ptr(), cap, nt)
+    return None if n > cap else out[:n]
 
 
 def gumbel_reach(lo: torch.Tensor, up: torch.Tensor, temperature: float, key: int, pos: int, cap: int,
