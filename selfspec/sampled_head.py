@@ -25,8 +25,10 @@ maximum, so m = max x exactly), then from the bounds for the rest of the row (xu
            top-k first: the k largest of those); t* is kept iff A < top_p Z as csrc/sampling.c
            sums them (fp32 exps, fp32 block sums, fp64 across), so A (1 + REL) < top_p Z (1 - REL)
            with REL above every rounding of both sides proves it.
-Where the test fails (t* maybe outside: about the share 1 - top_p of rows, plus a margin band;
-a top-p boundary exactly on a token always) the full head decides.
+Where the test fails (t* maybe outside: about the share 1 - top_p of rows, plus a margin band)
+top-p picks over the nucleus itself: exact columns of the tokens of largest upper bound prove
+which tokens are in it and which cannot matter (_nucleus_pick); where even that cannot tell (a
+boundary exactly on a token, a nucleus wider than the columns) the full head decides.
 Processed rows (processors.ProcessedRow: greedy or sampled, no logprobs recorded). Every processor
 but min_p (logit_bias, the penalties, a grammar's -inf) maps each token's logit to a new value by
 fp32 operations that depend on the token and that value alone and never decrease with it
@@ -67,6 +69,7 @@ CAP = 4096  # candidates a row may have before the full head decides it
 ROUND = 8  # candidates computed first (of largest upper score) when there are more
 SCREEN_TRUNCATED = True  # top-k / top-p rows through the screen (off: the full head decides them)
 TRUNCATED_COLUMNS = 1024  # exact columns a truncated row may take before the full head is cheaper
+NUCLEUS_COLUMNS = (256, 768)  # exact columns tried, in turn, for a top-p nucleus the pick may fall outside
 FEW = 512  # a grammar allowing at most this many tokens: their exact columns alone decide the row
 CUT = 20.0  # normaliser terms below exp(-CUT) of the largest are left out of its lower bound
 REL = 2.0**-12  # relative margin > csrc/sampling.c's roundings of the masses (fp32 exps and block sums) and ours
@@ -263,7 +266,30 @@ class HeadRow(LazyRow):
             if rest is None:
                 return None
             vals[~known] = rest
-        return self._pick(ids, vals, cand, (lo, up), t, tau, top_k, top_p, key, pos)
+        token = self._pick(ids, vals, cand, (lo, up), t, tau, top_k, top_p, key, pos)
+        if token is None and top_k is None and tau is None:  # top-p: the pick may be outside the nucleus
+            return self._nucleus(lo, up, lo_max, cand, reach[2], t, top_p, key, pos, edit)
+        return token
+
+    def _nucleus(self, lo: torch.Tensor, up: torch.Tensor, lo_max: float, cand: torch.Tensor, thr: float, t: float,
+                 top_p: float, key: int, pos: int, edit) -> int | None:
+        """The top-p pick over the nucleus itself (the unrestricted pick may fall outside it), from
+        exact columns of cand and of the NUCLEUS_COLUMNS tokens of largest upper bound, tried in
+        turn (_nucleus_pick); None where the bounds cannot prove it."""
+        for k in NUCLEUS_COLUMNS:
+            level = min(float(up.topk(min(k, len(up))).values[-1]), lo_max)  # <= max lo: E holds the row's maximum
+            top = at_least(up, level, TRUNCATED_COLUMNS)
+            if top is None:
+                return None
+            ids = torch.unique(torch.cat([top, cand]))
+            vals = self._exact(ids, edit)
+            if vals is None:
+                return None
+            self.rows.screen.pick_candidates += len(ids)
+            token = _nucleus_pick(ids, vals, (lo, up), level, thr, t, top_p, key, pos)
+            if token is not None:
+                return token
+        return None
 
     def _temperature(self, lo: torch.Tensor, up: torch.Tensor, temperature: float, tau: tuple | None, key: int,
                      pos: int, edit) -> int | None:
@@ -332,6 +358,49 @@ class HeadRow(LazyRow):
             d = xl.topk(min(top_k, len(xl))).values.double() - m
             z_lo = float(d[d >= -CUT].exp().sum())
         return token if a_up * (1 + REL) < top_p * z_lo * (1 - REL) else None
+
+
+def _nucleus_pick(ids: torch.Tensor, vals: torch.Tensor, bounds: tuple[torch.Tensor, torch.Tensor], level: float, thr: float,
+                  t: float, top_p: float, key: int, pos: int) -> int | None:
+    """The Gumbel-max pick over the top-p nucleus N = {j : A_j < top_p Z} (A_j: the mass strictly
+    above x_j), or None where the bounds cannot prove it. vals: the exact (processed) logits of
+    E = ids (int32 ascending), which holds {up >= level} (level <= max lo: the row's maximum m is
+    in E) and every token whose upper score reaches thr (gumbel_reach's); bounds (lo, up) elsewhere.
+    Outside E, x_j <= xL = fl(level / T), so with R_up >= sum of exp(x_j - m) there >= R_lo
+    (nucleus_tail) and Z_E, A_i^E the exact sums over E:
+      Z in [Z_E + R_lo, Z_E + R_up];  i in E: A_i in [A_i^E, A_i^E + (R_up where x_i < xL, else 0)];
+    i is surely in (A_i's upper end < top_p Z's lower), surely out (lower >= upper), or unsure,
+    each side widened by REL as in _pick. The pick over the surely-in tokens is the pick over N
+    when no unsure token would beat it (the pick over both is the same token) and no token outside
+    E could: their scores are below thr, and thr <= its score; or they are surely out (the mass of
+    E above xL >= top_p Z already)."""
+    x = vals / t
+    finite = x > float("-inf")
+    if not bool(finite.any()):
+        return None
+    m = float(x.max())
+    e = (x.double() - m).exp()  # 0 where x is -inf
+    xl = float(torch.tensor(level, dtype=torch.float32) / t)
+    r_up, _, r_lo = nucleus_tail(*bounds, t, float("-inf"), m, CUT, ids)
+    z_lo, z_up = float(e.sum()) + r_lo, float(e.sum()) + r_up
+    xs, order = x.sort(descending=True, stable=True)
+    excl = e[order].cumsum(0) - e[order]  # the mass before each entry in that order
+    a = torch.empty_like(e)
+    a[order] = excl[torch.searchsorted(-xs, -xs, side="left")]  # ties: the mass strictly above
+    keep = ((a + (x < xl).double() * r_up) * (1 + REL) < top_p * z_lo * (1 - REL)) & finite
+    unsure = ~keep & finite & ~(a * (1 - REL) >= top_p * z_up * (1 + REL))
+    if not bool(keep.any()):
+        return None
+    j = keep.nonzero().flatten()
+    best = _c_score(vals[j], t, ids[j].long(), key, pos)
+    token = int(ids[j[pick_entries(vals[j], ids[j].long(), key, pos, t)]])
+    if not (best is not None and best >= thr) and not float(e[x > xl].sum()) * (1 - REL) >= top_p * z_up * (1 + REL):
+        return None  # a token outside E may be in the nucleus and win
+    if bool(unsure.any()):
+        j = (keep | unsure).nonzero().flatten()
+        if int(ids[j[pick_entries(vals[j], ids[j].long(), key, pos, t)]]) != token:
+            return None  # an unsure token would win if it is in
+    return token
 
 
 def _kept(vals: torch.Tensor, t: float, tau: tuple | None) -> torch.Tensor:

@@ -451,3 +451,35 @@ def test_at_least_and_the_bounds_max_are_their_definitions(threads):
     lo, up, lo_max = screen_bounds(a[0], sh.ab, float(xn[0]), float(dxn[0]), False, threads=threads)
     assert torch.equal(lo, one[0]) and torch.equal(up, one[1]) and lo_max == float(lo.max()) == one[2]
     assert bool((lo <= up).all())
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.95])
+def test_picks_outside_the_nucleus_are_decided_from_exact_columns(monkeypatch, top_p):
+    """Where the unrestricted pick falls outside the top-p nucleus (about the share 1 - top_p of
+    rows), the nucleus is proved from the exact columns of the tokens of largest upper bound and
+    picked from: the exact head's token, without the full head for most such rows (and with
+    NUCLEUS_COLUMNS empty, every such row went to the full head)."""
+    g = torch.Generator().manual_seed(21)
+    v, k = 4000, 128
+    w = torch.randn(k, v, generator=g) / k**0.5
+    w[:, :64] *= 4.0  # a language model's row: a few dozen plausible tokens far above a long tail
+    x = torch.randn(8, k, generator=g) * 2.0
+    head = kernels.pack(w.to(torch.bfloat16))
+    x = x.to(torch.bfloat16)
+    full = _full(x, head)
+    cfg, plain = SamplingConfig(temperature=1.0, top_p=top_p), SamplingConfig(temperature=1.0)
+    outside = []
+    for i in range(x.shape[0]):
+        keep = full[i].double().softmax(-1).sort(descending=True)
+        kept = set(keep.indices[: int((keep.values.cumsum(0) < top_p).sum()) + 1].tolist())
+        outside += [(i, key) for key in range(60) if gumbel_token(full[i], plain, key, 5 + i) not in kept]
+    assert len(outside) >= 10
+    for columns, most in ((sampled_head.NUCLEUS_COLUMNS, len(outside) // 4), ((), len(outside))):
+        monkeypatch.setattr(sampled_head, "NUCLEUS_COLUMNS", columns)
+        sh = ScreenedHead.make(head)
+        rows = sampled_head.HeadRows(x, sh, lambda x: _full(x, head))
+        undecided = 0
+        for i, key in outside:
+            assert gumbel_token(rows[i], cfg, key, 5 + i) == gumbel_token(full[i], cfg, key, 5 + i), (i, key, columns)
+            undecided += rows[i].gumbel(cfg, key, 5 + i) is None
+        assert undecided <= most and (columns or undecided >= len(outside) // 2), (columns, undecided, len(outside))
