@@ -165,6 +165,21 @@ class HeadRow(LazyRow):
             edit.edit(vals, ids.long())
         return vals
 
+    def _exact_with(self, ids: torch.Tensor, known: tuple[torch.Tensor, torch.Tensor], edit) -> torch.Tensor | None:
+        """_exact(ids, edit), taking the values of the tokens in known = (ids', their _exact values;
+        ascending) from it and computing only the others."""
+        k_ids, k_vals = known
+        ids = ids.to(k_ids.dtype)
+        have = torch.isin(ids, k_ids)
+        vals = torch.empty(len(ids), dtype=torch.float32)
+        vals[have] = k_vals[torch.searchsorted(k_ids, ids[have])]
+        if not bool(have.all()):
+            rest = self._exact(ids[~have], edit)
+            if rest is None:
+                return None
+            vals[~have] = rest
+        return vals
+
     def _few(self, edit) -> torch.Tensor | None:
         """The tokens a grammar allows here when they are at most FEW (int32 ascending): their exact
         columns decide, with no screen. None otherwise."""
@@ -179,7 +194,7 @@ class HeadRow(LazyRow):
         """The (processed) row's argmax, first index on ties, or None where the screen cannot
         decide it. Every token with up < max lo is strictly below the maximum; of the rest, those
         of largest up are computed first and prune the others (up < an exact value)."""
-        ids = self._few(edit)
+        ids, known = self._few(edit), None
         if ids is None:
             bounds = self._bounds(edit)
             if bounds is None:
@@ -194,10 +209,11 @@ class HeadRow(LazyRow):
                 vals = self._exact(ids[first], edit)
                 if vals is None:
                     return None
+                known = (ids[first], vals)
                 ids = ids[up[ids] >= vals.max()]
         self.rows.screen.picks += 1
         self.rows.screen.pick_candidates += len(ids)
-        vals = self._exact(ids, edit)
+        vals = self._exact(ids, edit) if known is None else self._exact_with(ids, known, edit)
         if vals is None or not bool(vals.max() > float("-inf")):
             return None
         return int(ids[vals.argmax()])
@@ -258,33 +274,29 @@ class HeadRow(LazyRow):
         if len(ids) > TRUNCATED_COLUMNS:
             return None
         self.rows.screen.pick_candidates += len(ids)
-        known = torch.isin(ids, top)  # their values are vt's: only the others are computed
-        vals = torch.empty(len(ids), dtype=torch.float32)
-        vals[known] = vt[torch.searchsorted(top, ids[known])]
-        if not bool(known.all()):
-            rest = self._exact(ids[~known], edit)
-            if rest is None:
-                return None
-            vals[~known] = rest
+        vals = self._exact_with(ids, (top, vt), edit)
+        if vals is None:
+            return None
         token = self._pick(ids, vals, cand, (lo, up), t, tau, top_k, top_p, key, pos)
         if token is None and top_k is None and tau is None:  # top-p: the pick may be outside the nucleus
-            return self._nucleus(lo, up, lo_max, cand, reach[2], t, top_p, key, pos, edit)
+            return self._nucleus(lo, up, lo_max, cand, reach[2], (ids, vals), t, top_p, key, pos, edit)
         return token
 
-    def _nucleus(self, lo: torch.Tensor, up: torch.Tensor, lo_max: float, cand: torch.Tensor, thr: float, t: float,
-                 top_p: float, key: int, pos: int, edit) -> int | None:
+    def _nucleus(self, lo: torch.Tensor, up: torch.Tensor, lo_max: float, cand: torch.Tensor, thr: float,
+                 known: tuple[torch.Tensor, torch.Tensor], t: float, top_p: float, key: int, pos: int, edit) -> int | None:
         """The top-p pick over the nucleus itself (the unrestricted pick may fall outside it), from
         exact columns of cand and of the NUCLEUS_COLUMNS tokens of largest upper bound, tried in
-        turn (_nucleus_pick); None where the bounds cannot prove it."""
+        turn (_nucleus_pick; known: columns computed already); None where the bounds cannot prove it."""
         for k in NUCLEUS_COLUMNS:
             level = min(float(up.topk(min(k, len(up))).values[-1]), lo_max)  # <= max lo: E holds the row's maximum
             top = at_least(up, level, TRUNCATED_COLUMNS)
             if top is None:
                 return None
             ids = torch.unique(torch.cat([top, cand]))
-            vals = self._exact(ids, edit)
+            vals = self._exact_with(ids, known, edit)
             if vals is None:
                 return None
+            known = (ids, vals)
             self.rows.screen.pick_candidates += len(ids)
             token = _nucleus_pick(ids, vals, (lo, up), level, thr, t, top_p, key, pos)
             if token is not None:
@@ -300,16 +312,17 @@ class HeadRow(LazyRow):
             return None
         cand, s_up, _ = reach
         self.rows.screen.pick_candidates += len(cand)
-        ids = cand.long()
+        ids, known = cand.long(), None
         if len(cand) > ROUND:  # round 1: the ROUND of largest upper score; their best exact score prunes the rest
             first = s_up.topk(ROUND).indices.sort().values
             vals = self._exact(ids[first], edit)
             if vals is None:
                 return None
-            best = _c_score(_kept(vals, temperature, tau), temperature, ids[first], key, pos)
+            known = (ids[first], vals)
+            best = _c_best(_kept(vals, temperature, tau), temperature, ids[first], key, pos)
             if best is not None:  # (None: none of them surely in the support, nothing pruned)
-                ids = ids[(s_up >= best).nonzero().flatten()]  # holds every token that can reach the best: the winner
-        vals = self._exact(ids, edit)
+                ids = ids[(s_up >= best[1]).nonzero().flatten()]  # holds every token that can reach the best: the winner
+        vals = self._exact(ids, edit) if known is None else self._exact_with(ids, known, edit)
         if vals is None:
             return None
         if tau is not None and bool(((vals / temperature >= tau[0]) & (vals / temperature < tau[1])).any()):
@@ -392,9 +405,11 @@ def _nucleus_pick(ids: torch.Tensor, vals: torch.Tensor, bounds: tuple[torch.Ten
     if not bool(keep.any()):
         return None
     j = keep.nonzero().flatten()
-    best = _c_score(vals[j], t, ids[j].long(), key, pos)
-    token = int(ids[j[pick_entries(vals[j], ids[j].long(), key, pos, t)]])
-    if not (best is not None and best >= thr) and not float(e[x > xl].sum()) * (1 - REL) >= top_p * z_up * (1 + REL):
+    best = _c_best(vals[j], t, ids[j].long(), key, pos)
+    if best is None:
+        return None
+    token = int(ids[j[best[0]]])
+    if not best[1] >= thr and not float(e[x > xl].sum()) * (1 - REL) >= top_p * z_up * (1 + REL):
         return None  # a token outside E may be in the nucleus and win
     if bool(unsure.any()):
         j = (keep | unsure).nonzero().flatten()
@@ -409,14 +424,14 @@ def _kept(vals: torch.Tensor, t: float, tau: tuple | None) -> torch.Tensor:
     return vals if tau is None else vals.masked_fill(vals / t < tau[1], float("-inf"))
 
 
-def _c_score(xs: torch.Tensor, temperature: float, ids: torch.Tensor | None, key: int, pos: int) -> float | None:
-    """The best score fl(fl(xs_j / T) + g) of xs [n] (entry j: token ids[j], or j), by csrc/gumbel.c's
-    pick (its arithmetic); None if xs has no finite entry."""
+def _c_best(xs: torch.Tensor, temperature: float, ids: torch.Tensor | None, key: int, pos: int) -> tuple[int, float] | None:
+    """(j, score): the pick of xs [n] (entry j: token ids[j], or j; pick_entries' entry) and its score
+    fl(fl(xs_j / T) + g), by csrc/gumbel.c's pick (its arithmetic); None if xs has no finite entry."""
     score = torch.empty(1, dtype=torch.float32)
     xs = xs.contiguous()
     j = kernels.sampling_functions()["pick"](xs.data_ptr(), len(xs), temperature, -_FLT_MAX,
                                              None if ids is None else ids.contiguous().data_ptr(), key, pos, score.data_ptr())
-    return None if j < 0 else float(score)
+    return None if j < 0 else (j, float(score))
 
 
 def head_rows(runtime, h: torch.Tensor, screen: ScreenedHead | None) -> HeadRows | torch.Tensor:
