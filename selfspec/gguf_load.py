@@ -89,6 +89,9 @@ def config_dict(f: GGUFFile) -> dict:
         cfg["head_dim"] = int(key_length)
     cfg["model_type"] = ARCHITECTURES[arch]
     cfg["tie_word_embeddings"] = "output.weight" not in f.tensors
+    cfg.update(_rope_scaling(f, arch))
+    if (cap := f.metadata.get(f"{arch}.final_logit_softcapping")) is not None and arch == "gemma3":
+        cfg["final_logit_softcapping"] = float(cap)
     if (info := f.tensors.get("rope_freqs.weight")) is not None:
         # llama.cpp's per-frequency divisors of the rotary angles: how its converter stores Llama
         # 3.1+'s llama3 rope scaling (no metadata key says it); architectures.rotary_tables applies them
@@ -100,6 +103,46 @@ def config_dict(f: GGUFFile) -> dict:
         elif "token_embd.weight" in f.tensors:
             cfg["vocab_size"] = f.tensors["token_embd.weight"].shape[0]
     return cfg
+
+
+def _rope_scaling(f: GGUFFile, arch: str) -> dict:
+    """The file's rope scaling keys as transformers' config arguments (the inverse of llama.cpp's
+    converter, which writes the HF config's rope_scaling as rope.scaling.type / factor / ...;
+    transformers' GGUF table reads none of them for these architectures). Without them a Gemma 3
+    4B+ file (linear x8 on its global layers) or a long-context Qwen file (yarn) would rotate
+    its queries and keys by the wrong angles. As llama.cpp reads them: a factor with no type is
+    linear (the older key rope.scale_linear too), type none scales nothing; Gemma 3's scaling is
+    its global layers' (transformers applies rope_scaling there, llama.cpp's SWA layers keep scale
+    1), and its local layers' base may be stored as rope.freq_base_swa."""
+    def key(name: str):
+        return f.metadata.get(f"{arch}.rope.{name}")
+
+    out: dict = {}
+    if arch == "gemma3" and (base := key("freq_base_swa")) is not None:
+        out["rope_local_base_freq"] = float(base)
+    factor = key("scaling.factor")
+    factor = float(factor if factor is not None else key("scale_linear") or 0.0)
+    kind = str(key("scaling.type") or "linear")
+    if kind == "none" or (kind == "linear" and factor in (0.0, 1.0)):
+        return out
+    where = f"{f.path.name}: rope scaling {kind!r}"
+    if kind not in ("linear", "yarn"):
+        raise SelfSpecError(f"{where} is not supported (supported: linear, yarn)")
+    if factor <= 0.0:
+        raise SelfSpecError(f"{where} needs a positive rope.scaling.factor, got {factor}")
+    scaling = {"rope_type": kind, "factor": factor}
+    if kind == "yarn":
+        ext, log_mul = key("scaling.yarn_ext_factor"), key("scaling.yarn_log_multiplier")
+        if (ext is not None and float(ext) != 1.0) or (log_mul is not None and float(log_mul) != 0.0):
+            raise SelfSpecError(f"{where} with yarn_ext_factor or yarn_log_multiplier is not supported")
+        orig = key("scaling.original_context_length") or f.metadata.get(f"{arch}.context_length")
+        if orig is not None:
+            scaling["original_max_position_embeddings"] = int(orig)
+        for gg, hf in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"), ("yarn_attn_factor", "attention_factor")):
+            if (value := key(f"scaling.{gg}")) is not None:
+                scaling[hf] = float(value)
+    out["rope_scaling"] = scaling
+    return out
 
 
 def hf_config(f: GGUFFile):

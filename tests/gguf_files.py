@@ -87,7 +87,17 @@ def write_gguf(hf_model, path: Path, matrix_type=gguf.GGMLQuantizationType.Q8_0,
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     rope = cfg.rope_parameters if isinstance(getattr(cfg, "rope_parameters", None), dict) else {}
-    w.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)) if arch == "llama" else 10000.0)
+    w.add_rope_freq_base(float(rope.get("full_attention", rope).get("rope_theta", 10000.0)))  # Gemma 3: its global layers'
+    scaling = rope.get("full_attention", rope)
+    if scaling.get("rope_type") in ("linear", "yarn"):  # as the converter writes them (conversion/base.py)
+        w.add_rope_scaling_type(gguf.RopeScalingType(scaling["rope_type"]))
+        w.add_rope_scaling_factor(scaling["factor"])
+        if scaling["rope_type"] == "yarn":
+            w.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+            for key, add in (("beta_fast", w.add_rope_scaling_yarn_beta_fast), ("beta_slow", w.add_rope_scaling_yarn_beta_slow),
+                             ("attention_factor", w.add_rope_scaling_yarn_attn_factor)):
+                if scaling.get(key) is not None:
+                    add(scaling[key])
     if arch == "llama" and rope.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, head_dim))
     w.add_key_length(head_dim)

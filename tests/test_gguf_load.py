@@ -68,6 +68,64 @@ def test_llama3_rope_freqs_are_read(tmp_path):
     assert float((dropped - want).abs().max()) > 100 * max(err, 1e-7)
 
 
+_GEMMA_LINEAR = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                 "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}  # Gemma 3 4B's kind
+
+
+@pytest.mark.parametrize("arch,rope", [
+    ("gemma3", _GEMMA_LINEAR),
+    ("qwen2", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0}),
+    ("qwen3", {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32, "rope_theta": 1000000.0,
+               "beta_fast": 16.0, "beta_slow": 2.0, "attention_factor": 1.25}),
+    ("llama", {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
+])
+def test_rope_scaling_keys_are_read(arch, rope, tmp_path):
+    """llama.cpp's converter stores an HF config's linear or yarn rope scaling as rope.scaling.*
+    keys, which transformers' GGUF loader reads for none of these architectures: read, the file's
+    model is the original's, logit for logit; transformers' reading (the control) is not."""
+    # what a file cannot say takes the defaults: Gemma 3's global layer every 6th and its query
+    # scaling (transformers'), Qwen3's head width (transformers' GGUF table's: the control reads it)
+    kw = {"gemma3": dict(num_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"], query_pre_attn_scalar=256),
+          "qwen3": dict(head_dim=128)}.get(arch, {})
+    hf = helpers.build_hf(arch, seed=6, rope_parameters=rope, **kw)
+    path = write_gguf(hf, tmp_path / f"tiny-{arch}-scaled.gguf", Q.F32)
+    assert gguf_load.hf_config(GGUFFile(path)).rope_parameters == hf.config.rope_parameters
+    tok = helpers.word_tokenizer()
+    ids = torch.arange(3, 43) % hf.config.vocab_size
+
+    def logits(model) -> torch.Tensor:
+        rt = selfspec.load(model, tokenizer=tok, dtype="float32").runtime
+        with torch.inference_mode(), rt.compute_scope():
+            return rt.forward(ids, 0, rt.new_cache(len(ids)))
+
+    want, got, dropped = logits(hf), logits(path), logits(transformers_model(path))
+    err = float((got - want).abs().max())
+    assert err <= 1e-4 * float(want.abs().max())
+    assert float((dropped - want).abs().max()) > 100 * max(err, 1e-7)
+
+
+def _scaling(meta: dict, arch: str = "llama") -> dict:
+    f = type("File", (), {"metadata": {f"{arch}.{k}": v for k, v in meta.items()}, "path": gguf_files.Path("m.gguf")})()
+    return gguf_load._rope_scaling(f, arch)
+
+
+def test_rope_scaling_keys_as_llama_cpp_reads_them():
+    assert _scaling({}) == {}
+    assert _scaling({"rope.scaling.type": "none", "rope.scaling.factor": 4.0}) == {}  # none scales nothing
+    assert _scaling({"rope.scaling.factor": 4.0}) == {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}  # no type: linear
+    assert _scaling({"rope.scale_linear": 2.0}) == {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}  # the older key
+    assert _scaling({"rope.scaling.type": "linear", "rope.scaling.factor": 1.0}) == {}
+    assert _scaling({"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "context_length": 4096}) == {
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}}
+    assert _scaling({"rope.freq_base_swa": 5000.0}, "gemma3") == {"rope_local_base_freq": 5000.0}
+    for meta, message in (({"rope.scaling.type": "longrope"}, "rope scaling 'longrope' is not supported"),
+                          ({"rope.scaling.type": "yarn"}, "needs a positive rope.scaling.factor"),
+                          ({"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.yarn_ext_factor": 0.5},
+                           "yarn_ext_factor or yarn_log_multiplier is not supported")):
+        with pytest.raises(SelfSpecError, match=f"m.gguf: .*{message}"):
+            _scaling(meta)
+
+
 def test_rope_freqs_of_the_wrong_length_are_one_line(tmp_path, monkeypatch):
     hf = helpers.build_hf("llama3", seed=5)
     factors = gguf_files.llama3_rope_factors
