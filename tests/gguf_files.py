@@ -106,6 +106,8 @@ def write_gguf(hf_model, path: Path, matrix_type=gguf.GGMLQuantizationType.Q8_0,
     w.add_vocab_size(cfg.vocab_size)
     if gemma:
         w.add_sliding_window(cfg.sliding_window)
+        if cfg.final_logit_softcapping:
+            w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     for name, t in hf_model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue

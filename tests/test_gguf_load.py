@@ -74,6 +74,7 @@ _GEMMA_LINEAR = {"sliding_attention": {"rope_type": "default", "rope_theta": 100
 
 @pytest.mark.parametrize("arch,rope", [
     ("gemma3", _GEMMA_LINEAR),
+    ("gemma3-softcap", None),  # no scaling; the final logits soft-capped (key final_logit_softcapping)
     ("qwen2", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0}),
     ("qwen3", {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32, "rope_theta": 1000000.0,
                "beta_fast": 16.0, "beta_slow": 2.0, "attention_factor": 1.25}),
@@ -81,13 +82,14 @@ _GEMMA_LINEAR = {"sliding_attention": {"rope_type": "default", "rope_theta": 100
 ])
 def test_rope_scaling_keys_are_read(arch, rope, tmp_path):
     """llama.cpp's converter stores an HF config's linear or yarn rope scaling as rope.scaling.*
-    keys, which transformers' GGUF loader reads for none of these architectures: read, the file's
-    model is the original's, logit for logit; transformers' reading (the control) is not."""
+    keys, which transformers' GGUF loader reads for none of these architectures (nor Gemma 3's
+    final_logit_softcapping): read, the file's model is the original's, logit for logit;
+    transformers' reading (the control) is not."""
     # what a file cannot say takes the defaults: Gemma 3's global layer every 6th and its query
     # scaling (transformers'), Qwen3's head width (transformers' GGUF table's: the control reads it)
-    kw = {"gemma3": dict(num_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"], query_pre_attn_scalar=256),
-          "qwen3": dict(head_dim=128)}.get(arch, {})
-    hf = helpers.build_hf(arch, seed=6, rope_parameters=rope, **kw)
+    gemma = dict(num_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"], query_pre_attn_scalar=256)
+    kw = {"gemma3": gemma, "gemma3-softcap": dict(gemma, final_logit_softcapping=3.0), "qwen3": dict(head_dim=128)}.get(arch, {})
+    hf = helpers.build_hf(arch.split("-")[0], seed=6, **kw, **({"rope_parameters": rope} if rope else {}))
     path = write_gguf(hf, tmp_path / f"tiny-{arch}-scaled.gguf", Q.F32)
     assert gguf_load.hf_config(GGUFFile(path)).rope_parameters == hf.config.rope_parameters
     tok = helpers.word_tokenizer()
