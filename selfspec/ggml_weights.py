@@ -36,7 +36,10 @@ NATIVE = "native"
 AUTO_NATIVE = "auto-native"  # auto's choice of the blocks by size: dequantized instead where they cannot run here
 NATIVE_ABOVE = 1 << 30  # bf16 bytes above which auto runs a GGUF's blocks (module doc)
 Q8_0_BYTES = 34 / 32  # bytes per weight of Q8_0, the widest block type run natively (fits-checks size by it)
-_PARTS = {"wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "wo": ("self_attn.o_proj",),
+_PARTS_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+_BIASES = {"qkv_bias": {"bqkv": _PARTS_QKV}, "o_bias": {"bo": ("self_attn.o_proj",)},
+           "mlp_bias": {"b_gate_up": ("mlp.gate_proj", "mlp.up_proj"), "b_down": ("mlp.down_proj",)}}
+_PARTS = {"wqkv": _PARTS_QKV, "wo": ("self_attn.o_proj",),
           "w_gate_up": ("mlp.gate_proj", "mlp.up_proj"), "w_down": ("mlp.down_proj",)}
 
 
@@ -55,8 +58,6 @@ def native_reason(sd, device: str) -> str | None:
                 why = why_not(info.qtype, info.shape[1])
                 if why:
                     return f"{info.name}: {why}"
-    if any(name.endswith(".bias") for name in sd):
-        return "biases are not run natively yet"
     return None
 
 
@@ -127,6 +128,10 @@ class GGMLRuntime(Runtime):
             p = f"model.layers.{i}."
             L = {k: _blocks(sd, [f"{p}{part}.weight" for part in parts]) for k, parts in _PARTS.items()}
             L["attn_norm"] = vec(p + "input_layernorm.weight")
+            for key, names in _BIASES.items():  # fp32, added to the blocks' fp32 outputs (csrc/blocks.c)
+                if getattr(spec, key):
+                    for k, parts in names.items():
+                        L[k] = torch.cat([vec(f"{p}{part}.bias", norm=False) for part in parts])
             if spec.qk_norm:
                 L["q_norm"], L["k_norm"] = vec(p + "self_attn.q_norm.weight"), vec(p + "self_attn.k_norm.weight")
             if spec.sandwich_norms:
