@@ -67,7 +67,8 @@ def is_gguf(source) -> bool:
 
 
 def native_bytes(spec) -> int:
-    """Bytes a GGUF's blocks take at most in memory (every matrix sized as Q8_0)."""
+    """Bytes a GGUF's blocks take at most in memory (every matrix sized as Q8_0: the quantized files
+    this check is for; an F16 / BF16 file's mapped pages take twice that, read-only page cache)."""
     return int(runtime_bytes(spec, torch.int8) * Q8_0_BYTES)
 
 

@@ -22,6 +22,10 @@
  *     acc[l] = fmaf(d * sx[sb], (float)L[l], acc[l]), mt[l] = fmaf(dmin * sx[sb], (float)ML[l], mt[l]);
  *     y = hsum(acc) - hsum(mt), hsum as above
  *   Q6_K, one integer: S = sum over the super-block of sc * v * xq; acc = fmaf(d * sx[sb], (float)S, acc); y = acc.
+ * F16, BF16 (one value a "block": unquantized rows, as a file stores its full-precision matrices):
+ *   no activation quantization; 32 fp32 lanes, lane l over k = 32 c + l, acc[l] = fmaf(w[k], x[k], acc[l])
+ *   (w widened exactly, x as given: fp32, or bf16 widened exactly), then four 8-lane vectors
+ *   added ((a0 + a1) + (a2 + a3)) and y = hsum of that as above.
  * Integer sums are exact (|S| < 2^28), so the only rounding is in these fixed chains: a row's
  * result does not depend on how many rows are computed together, nor on the thread count
  * (threads split N), nor on the ISA (selfspec_ggemm_ref is the scalar C of the same chains; the
@@ -36,7 +40,7 @@
 #include <string.h>
 #include "pool.h"
 
-enum { T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+enum { T_F16 = 1, T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
 #define GG_MAXPARTS 4
 #define GG_ROWS 16 /* rows per pass over the weights (more rows: several passes, same bits) */
 
@@ -72,6 +76,7 @@ static int gg_block(int type, int *bytes) {
     case T_Q4_K: *bytes = 144; return 256;
     case T_Q5_K: *bytes = 176; return 256;
     case T_Q6_K: *bytes = 210; return 256;
+    case T_F16: case T_BF16: *bytes = 2; return 1;
     default: *bytes = 0; return 0;
     }
 }
@@ -240,6 +245,25 @@ static inline float hsum8(const float *a) {
 }
 
 static inline int is_k(int type) { return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K; }
+static inline int is_float(int type) { return type == T_F16 || type == T_BF16; }
+
+/* value k of an F16 / BF16 row, widened (exact) */
+static inline float float_value(int type, const uint8_t *row, long k) {
+    uint16_t h;
+    memcpy(&h, row + 2 * k, 2);
+    return type == T_F16 ? _cvtsh_ss(h) : gbf16(h);
+}
+
+/* the scalar chain of an F16 / BF16 row and one activation row x (fp32, or bf16) */
+static float dot_float_ref(int type, const uint8_t *row, long K, const void *x, int x_bf16) {
+    float acc[32] = {0}, v[8];
+    for (long k = 0; k < K; k++) {
+        const float xv = x_bf16 ? gbf16(((const uint16_t *)x)[k]) : ((const float *)x)[k];
+        acc[k % 32] = fmaf(float_value(type, row, k), xv, acc[k % 32]);
+    }
+    for (int l = 0; l < 8; l++) v[l] = (acc[l] + acc[8 + l]) + (acc[16 + l] + acc[24 + l]);
+    return hsum8(v);
+}
 
 /* the scalar chain for one row of W (type) and one activation row: xq, sx and xs of the
  * activation blocks that type multiplies (32 values, or 256 for the K-quants) */
@@ -374,6 +398,8 @@ typedef struct {
     const int8_t *xq, *kq; /* activations per 32 values (xq, sx) and per 256 (kq, ks; kxs per 16) */
     const float *sx, *ks;
     const int16_t *kxs;
+    const void *x; /* the activations as given (F16 / BF16 rows multiply them unquantized) */
+    int x_bf16;
     void *y;
     int y_bf16;
     long next; /* the first column no thread has taken yet (next_columns) */
@@ -385,9 +411,43 @@ static inline void put(const gg_job *j, long m, long col, float v) {
     else ((float *)j->y)[at] = v;
 }
 
+/* 8 activations of row m from k, widened to fp32 */
+static inline __m256 act8(const gg_job *j, long m, long k) {
+    if (j->x_bf16) return load8(j->x, 1, m * j->K + k);
+    return _mm256_loadu_ps((const float *)j->x + m * j->K + k);
+}
+
+/* 8 values of an F16 / BF16 row from k, widened (exact) */
+static inline __m256 weight8(int type, const uint8_t *row, long k) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)(row + 2 * k));
+    if (type == T_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* F16 / BF16 rows n0..n1-1 of part p for rows m0..m0+mr-1: dot_float_ref's chain, 4 vectors of 8 lanes */
+static inline __attribute__((always_inline)) void float_rows(const gg_job *j, const ss_gpart *p, long g, long n0, long n1, long m0, int mr) {
+    const long K = j->K;
+    for (long n = n0; n < n1; n++) {
+        const uint8_t *row = p->data + n * p->row_bytes;
+        GG_PREFETCH(row, p->row_bytes);
+        __m256 acc[GG_ROWS][4];
+        for (int r = 0; r < mr; r++)
+            for (int q = 0; q < 4; q++) acc[r][q] = _mm256_setzero_ps();
+        for (long k = 0; k < K; k += 32) {
+            __m256 w[4];
+            for (int q = 0; q < 4; q++) w[q] = weight8(p->type, row, k + 8 * q);
+            for (int r = 0; r < mr; r++)
+                for (int q = 0; q < 4; q++) acc[r][q] = _mm256_fmadd_ps(w[q], act8(j, m0 + r, k + 8 * q), acc[r][q]);
+        }
+        for (int r = 0; r < mr; r++)
+            put(j, m0 + r, g + n, hsum_v(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3]))));
+    }
+}
+
 /* rows n0..n1-1 of part p (global column base g) for rows m0..m0+mr-1 (inlined: a one-row
  * call gets its own copy, its accumulator in a register) */
 static inline __attribute__((always_inline)) void part_rows(const gg_job *j, const ss_gpart *p, long g, long n0, long n1, long m0, int mr) {
+    if (is_float(p->type)) { float_rows(j, p, g, n0, n1, m0, mr); return; }
     const long K = j->K, C = K / 32;
     const int8_t *xq = j->xq + m0 * K, *kq = j->kq + m0 * K;
     const float *sx = j->sx + m0 * C, *ks = j->ks + m0 * (C / 8);
@@ -570,7 +630,7 @@ static int quantize_all(long M, long K, const void *x, int x_bf16, const ss_gwei
     int legacy = 0, kquant = 0;
     for (int q = 0; q < w->nparts; q++) {
         if (is_k(w->part[q].type)) kquant = 1;
-        else legacy = 1;
+        else if (!is_float(w->part[q].type)) legacy = 1;
     }
     if (legacy) {
         a->xq = (int8_t *)malloc((size_t)(M * K));
@@ -609,7 +669,7 @@ int selfspec_ggemm(long M, const void *x, int x_bf16, const void *wd, void *y, i
     gg_act a = {0};
     if (quantize_all(M, w->in_features, x, x_bf16, w, &a, 1)) { free_act(&a); return 1; }
 #ifdef __AVX2__
-    gg_job j = {w, M, w->in_features, a.xq, a.kq, a.sx, a.ks, a.kxs, y, y_bf16, 0};
+    gg_job j = {w, M, w->in_features, a.xq, a.kq, a.sx, a.ks, a.kxs, x, x_bf16, y, y_bf16, 0};
     int nt = ss_threads(nthreads);
     const long work = w->out_features * w->in_features;
     if (work < (1L << 16)) nt = 1;
@@ -624,8 +684,10 @@ int selfspec_ggemm(long M, const void *x, int x_bf16, const void *wd, void *y, i
             const ss_gpart *p = &w->part[q];
             const int8_t *xq; const float *sx; const int16_t *xs;
             act_row(&a, p->type, m, K, &xq, &sx, &xs);
+            const void *xm = x_bf16 ? (const void *)((const uint16_t *)x + m * K) : (const void *)((const float *)x + m * K);
             for (long n = 0; n < p->rows; n++) {
-                const float out = dot_ref(p->type, p->data + n * p->row_bytes, K, xq, sx, xs);
+                const uint8_t *row = p->data + n * p->row_bytes;
+                const float out = is_float(p->type) ? dot_float_ref(p->type, row, K, xm, x_bf16) : dot_ref(p->type, row, K, xq, sx, xs);
                 if (y_bf16) ((uint16_t *)y)[m * N + g + n] = gf2bf16(out);
                 else ((float *)y)[m * N + g + n] = out;
             }
@@ -650,8 +712,10 @@ int selfspec_ggemm_ref(long M, const float *x, const void *wd, float *y) {
             const ss_gpart *p = &w->part[q];
             const int8_t *xq; const float *sx; const int16_t *xs;
             act_row(&a, p->type, m, K, &xq, &sx, &xs);
-            for (long n = 0; n < p->rows; n++)
-                y[m * N + g + n] = dot_ref(p->type, p->data + n * p->row_bytes, K, xq, sx, xs);
+            for (long n = 0; n < p->rows; n++) {
+                const uint8_t *row = p->data + n * p->row_bytes;
+                y[m * N + g + n] = is_float(p->type) ? dot_float_ref(p->type, row, K, x + m * K, 0) : dot_ref(p->type, row, K, xq, sx, xs);
+            }
             g += p->rows;
         }
     }
