@@ -15,7 +15,7 @@ What cannot run over blocks yet falls back, never computing something else:
   * the greedy head's int8 screen: not made (the full native head decides every argmax);
   * the fused draft step (Runtime.step_token): not used (the drafters' per-layer path);
   * a `quantized` draft: an int4 copy of the dequantized layers only (int8 would read more
-    bytes than the blocks it drafts for: refused with one line).
+    bytes than the blocks it drafts for: refused with one line), int8 too over F16 / BF16 layers.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def _blocks(sd: GGUFCheckpoint, names: list[str]) -> GGMLWeight:
 class GGMLRuntime(Runtime):
     """Runtime over a GGUF file's blocks (module doc)."""
 
-    draft_bits = (4,)  # quantized draft copies it makes (drafters.factory.runs_here)
+    draft_bits = (4,)  # quantized draft copies it makes (drafters.factory.runs_here); F16 / BF16 layers: 8 too
 
     @classmethod
     def from_gguf(cls, spec, sd: GGUFCheckpoint, config) -> "GGMLRuntime":
@@ -151,6 +151,8 @@ class GGMLRuntime(Runtime):
     def __init__(self, spec, weights, hf_config, dtype, device):
         super().__init__(spec, weights, hf_config, dtype, device)
         self.numerics = "cpu-ggml"
+        full = all(q in ("F16", "BF16") for L in self.layers for w in L.values() if isinstance(w, GGMLWeight) for q in w.qtypes)
+        self.draft_bits = (4, 8) if full else (4,)  # a copy must read fewer bytes than the blocks it drafts for
         self._screened = None  # greedy_head.screened_head: no int8 screen over blocks (the full head decides)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -181,6 +183,6 @@ class GGMLRuntime(Runtime):
 
     def quantized(self, bits: int, *args, **kwargs) -> Runtime:
         if bits not in self.draft_bits:
-            raise SelfSpecError(f"an int{bits} draft copy of a GGUF run natively would read more bytes than its own "
+            raise SelfSpecError(f"an int{bits} draft copy of this GGUF run natively would read more bytes than its own "
                                 "blocks; use an int4 copy (draft_bits=4) or --dtype bfloat16")
         return super().quantized(bits, *args, **kwargs)

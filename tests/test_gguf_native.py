@@ -250,6 +250,9 @@ def test_full_precision_files_run_as_stored(qtype, tmp_path):
     for prompt in helpers.prompts(n=2):
         ar = model.generate(prompt, max_new_tokens=N_NEW, strategy="autoregressive").token_ids
         assert model.generate(prompt, max_new_tokens=N_NEW, strategy="layer-skip", skip_mlp=(1, 2)).token_ids == ar
+        # an int8 copy reads half of F16 / BF16 layers' bytes: allowed here (refused over quantized blocks)
+        assert model.generate(prompt, max_new_tokens=N_NEW, strategy="quantized", draft_bits=8).token_ids == ar
+    assert model.runtime.draft_bits == (4, 8)
 
 
 def test_native_refuses_blocks_it_cannot_run_in_one_line(tmp_path, monkeypatch):
