@@ -40,7 +40,9 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 # byte offsets of each block's fp16 scales (random blocks: any other bytes are a valid block)
-_HALVES = {gguf.GGMLQuantizationType.Q4_K: (0, 2), gguf.GGMLQuantizationType.Q5_K: (0, 2), gguf.GGMLQuantizationType.Q6_K: (208,)}
+_Q = gguf.GGMLQuantizationType
+_HALVES = {_Q.Q4_1: (0, 2), _Q.Q5_1: (0, 2), _Q.Q2_K: (80, 82), _Q.Q4_K: (0, 2), _Q.Q5_K: (0, 2), _Q.Q6_K: (208,)}
+_RANDOM = (_Q.Q2_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K)  # what write_gguf stores as random blocks: gguf cannot quantize to them
 
 
 def random_blocks(qtype, rows: int, cols: int, seed: int, scale: float = 0.004) -> np.ndarray:
@@ -118,7 +120,7 @@ def write_gguf(hf_model, path: Path, matrix_type=gguf.GGMLQuantizationType.Q8_0,
             a = _permute(a, cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads)
         gname = _gguf_name(name, gemma)
         qt = next((t for k, t in (block_types or {}).items() if gname.split(".")[-2] == k), matrix_type)
-        if a.ndim == 2 and qt in _HALVES:
+        if a.ndim == 2 and qt in _RANDOM:
             w.add_tensor(gname, random_blocks(qt, a.shape[0], a.shape[1], seed=sum(map(ord, gname))), raw_dtype=qt)
         elif a.ndim == 2 and qt != gguf.GGMLQuantizationType.F32:
             w.add_tensor(gname, gguf.quants.quantize(a, qt), raw_dtype=qt)

@@ -59,7 +59,7 @@ def test_extreme_blocks_do_not_saturate(qtype, fill):
     K = 512
     raw = np.full((9, K // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1]), fill, np.uint8)
     ref = random_blocks(qtype, 9, K, seed=5)  # its fp16 scales only
-    for off in {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}.get(qtype, (0,)):
+    for off in {Q.Q4_1: (0, 2), Q.Q5_1: (0, 2), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}.get(qtype, (0,)):
         blocks = raw.reshape(9, -1, GGML_QUANT_SIZES[qtype][1])
         blocks[..., off:off + 2] = ref.reshape(9, -1, GGML_QUANT_SIZES[qtype][1])[..., off:off + 2]
     w = GGMLWeight([(raw, qtype)], K)
@@ -94,7 +94,7 @@ def test_activation_quantization_edge_cases_match_the_scalar_definition(qtype, d
     assert torch.equal(kernels.matmul(x[1:2], w), y[1:2])  # and one row alone
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q5_0, Q.F16, Q.BF16])
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.F16, Q.BF16])
 def test_rows_do_not_depend_on_how_many_are_computed(qtype):
     K = 256
     w = _weight(qtype, 300, K, seed=3)  # several threads' shares of N
@@ -122,7 +122,7 @@ def test_bad_weights_are_refused():
     with pytest.raises(ValueError, match="not rows of 256 Q4_K"):
         GGMLWeight([(random_blocks(Q.Q4_K, 4, 256, 0)[:, :100], Q.Q4_K)], 256)
     with pytest.raises(ValueError, match="not multiplied natively"):
-        GGMLWeight([(np.zeros((4, 48 * 256 // 32), np.uint8), Q.Q5_1)], 256)
+        GGMLWeight([(np.zeros((4, 84), np.uint8), Q.Q2_K)], 256)
     with pytest.raises(ValueError, match="shape mismatch"):
         kernels.matmul(torch.randn(2, 128), _weight(Q.Q8_0, 4, 256, 0))
 
@@ -131,7 +131,7 @@ def test_bad_weights_are_refused():
 
 # a Q4_K_M-like mix over a Gemma 3 whose rows are whole 256-value super-blocks
 _MIX = {"attn_q": Q.Q5_0, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q4_K, "ffn_gate": Q.Q5_K,
-        "ffn_up": Q.Q4_0, "ffn_down": Q.Q6_K, "token_embd": Q.Q8_0}
+        "ffn_up": Q.Q5_1, "ffn_down": Q.Q6_K, "token_embd": Q.Q8_0}
 N_NEW = 24
 
 
@@ -256,14 +256,14 @@ def test_full_precision_files_run_as_stored(qtype, tmp_path):
 
 
 def test_native_refuses_blocks_it_cannot_run_in_one_line(tmp_path, monkeypatch):
-    hf = helpers.build_hf("llama", seed=1)
-    f16 = write_gguf(hf, tmp_path / "q5_1.gguf", Q.Q5_1)  # Q5_1 blocks: not multiplied natively (yet)
+    hf = helpers.build_hf("llama", seed=1, hidden_size=256, intermediate_size=256)
+    q2k = write_gguf(hf, tmp_path / "q2_k.gguf", Q.Q2_K)  # Q2_K blocks: not multiplied natively (yet)
     from selfspec import ggml_weights, gguf_load
-    assert "Q5_1" in ggml_weights.native_reason(gguf_load.GGUFCheckpoint(gguf_load.GGUFFile(f16)), "cpu")
+    assert "Q2_K" in ggml_weights.native_reason(gguf_load.GGUFCheckpoint(gguf_load.GGUFFile(q2k)), "cpu")
     with pytest.raises(selfspec.SelfSpecError, match="cannot run as stored"):
-        selfspec.load(f16, tokenizer=helpers.word_tokenizer(), dtype="native")
+        selfspec.load(q2k, tokenizer=helpers.word_tokenizer(), dtype="native")
     monkeypatch.setattr(ggml_weights, "NATIVE_ABOVE", 0)  # auto would take the blocks by size: it dequantizes them
-    model = selfspec.load(f16, tokenizer=helpers.word_tokenizer())
+    model = selfspec.load(q2k, tokenizer=helpers.word_tokenizer())
     assert not isinstance(model.runtime, GGMLRuntime)
     prompt = helpers.prompts(n=1)[0]
     assert model.generate(prompt, max_new_tokens=8, strategy="early-exit", exit_layer=1).token_ids == \

@@ -13,6 +13,8 @@
  * its offset) and multiplied into 8 int32 lanes, lane l the exact sum over bytes 4l..4l+3 of
  * v * xq (through |v| and sign(xq, v)); block by block, acc[l] = fmaf(d * sx[c], (float)lane[l], acc[l])
  * and y = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7)).
+ * Q4_1, Q5_1 (value d v + m, v the unsigned 0..15 / 0..31): the same lanes of v * xq, and beside
+ * them mt[l] = fmaf(m * sx[c], (float)(the lane's sum of xq), mt[l]); y = hsum(acc) + hsum(mt).
  * K-quants, super-block sb (256 values, activation block sb) by super-block, its products
  * summed in exact integers and then scaled once (sc: Q4_K / Q5_K the 6-bit scale of the value's
  * 32-value chunk s, v the unsigned 0..15 / 0..31, m[s] its 6-bit min; Q6_K the int8 scale of
@@ -40,7 +42,7 @@
 #include <string.h>
 #include "pool.h"
 
-enum { T_F16 = 1, T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
+enum { T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
 #define GG_MAXPARTS 4
 #define GG_ROWS 16 /* rows per pass over the weights (more rows: several passes, same bits) */
 
@@ -72,6 +74,8 @@ static int gg_block(int type, int *bytes) {
     switch (type) {
     case T_Q4_0: *bytes = 18; return 32;
     case T_Q5_0: *bytes = 22; return 32;
+    case T_Q4_1: *bytes = 20; return 32;
+    case T_Q5_1: *bytes = 24; return 32;
     case T_Q8_0: *bytes = 34; return 32;
     case T_Q4_K: *bytes = 144; return 256;
     case T_Q5_K: *bytes = 176; return 256;
@@ -181,7 +185,7 @@ static void quantize_row(const void *x, int x_bf16, long K, int B, int8_t *xq, f
 /* chunk c (32 values) of a row of `type`: v[32], the per-lane integer scales lsc[8] (Q4_K /
  * Q5_K: the chunk's 6-bit scale; Q6_K: the scale of each lane's 16 values; else 1), the fp32
  * factor d (its block's, or super-block's), and for Q4_K / Q5_K the super-block's dmin and the
- * chunk's 6-bit min mi (else 0) */
+ * chunk's 6-bit min mi (else 0); Q4_1 / Q5_1: dmin the block's min m (mi 1) */
 static void decode_chunk(int type, const uint8_t *row, long c, int8_t *v, int *lsc, float *d, float *dmin, int *mi) {
     for (int l = 0; l < 8; l++) lsc[l] = 1;
     *mi = 0;
@@ -203,6 +207,21 @@ static void decode_chunk(int type, const uint8_t *row, long c, int8_t *v, int *l
             } else {
                 v[j] = (int8_t)(lo - 8); v[j + 16] = (int8_t)(hi - 8);
             }
+        }
+        return;
+    }
+    case T_Q4_1: case T_Q5_1: {
+        const int five = type == T_Q5_1;
+        const uint8_t *b = row + c * (five ? 24 : 20);
+        *d = gh2f(b);
+        *dmin = gh2f(b + 2);
+        *mi = 1;
+        uint32_t qh = 0;
+        if (five) memcpy(&qh, b + 4, 4);
+        const uint8_t *qs = b + (five ? 8 : 4);
+        for (int j = 0; j < 16; j++) {
+            v[j] = (int8_t)((qs[j] & 15) | (int)((qh >> j) & 1) << 4);
+            v[j + 16] = (int8_t)((qs[j] >> 4) | (int)((qh >> (j + 16)) & 1) << 4);
         }
         return;
     }
@@ -246,6 +265,7 @@ static inline float hsum8(const float *a) {
 
 static inline int is_k(int type) { return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K; }
 static inline int is_float(int type) { return type == T_F16 || type == T_BF16; }
+static inline int has_min(int type) { return type == T_Q4_1 || type == T_Q5_1; }
 
 /* value k of an F16 / BF16 row, widened (exact) */
 static inline float float_value(int type, const uint8_t *row, long k) {
@@ -280,6 +300,11 @@ static float dot_ref(int type, const uint8_t *row, long K, const int8_t *xq, con
             if (type == T_Q6_K) S += lsc[l] * s;
             else if (is_k(type)) L[l] += lsc[l] * s;
             else acc[l] = fmaf(d * sx[c], (float)s, acc[l]);
+            if (has_min(type)) {
+                int t = 0;
+                for (int i = 0; i < 4; i++) t += (int)xq[32 * c + 4 * l + i];
+                mt[l] = fmaf(dmin * sx[c], (float)t, mt[l]);
+            }
         }
         if (!is_k(type)) continue;
         ML[c % 8] = mi * (xs[2 * c] + xs[2 * c + 1]);
@@ -293,7 +318,7 @@ static float dot_ref(int type, const uint8_t *row, long K, const int8_t *xq, con
             }
         }
     }
-    return type == T_Q6_K ? a : is_k(type) ? hsum8(acc) - hsum8(mt) : hsum8(acc);
+    return type == T_Q6_K ? a : is_k(type) ? hsum8(acc) - hsum8(mt) : has_min(type) ? hsum8(acc) + hsum8(mt) : hsum8(acc);
 }
 
 /* ---- the vector chain ---------------------------------------------------------------------- */
@@ -474,6 +499,30 @@ static inline __attribute__((always_inline)) void part_rows(const gg_job *j, con
     for (; n < n1; n++) {
         const uint8_t *row = p->data + n * p->row_bytes;
         GG_PREFETCH(row, p->row_bytes);
+        if (has_min(p->type)) {
+            const int five = p->type == T_Q5_1;
+            __m256 acc[GG_ROWS], mt[GG_ROWS];
+            for (int r = 0; r < mr; r++) acc[r] = mt[r] = _mm256_setzero_ps();
+            const __m256i ones = _mm256_set1_epi8(1);
+            for (long c = 0; c < C; c++) {
+                const uint8_t *b = row + c * (five ? 24 : 20);
+                const __m256 d = scale8(b), m = scale8(b + 2);
+                __m256i u = nibbles(b + (five ? 8 : 4));
+                if (five) {
+                    uint32_t qh;
+                    memcpy(&qh, b + 4, 4);
+                    u = _mm256_or_si256(u, _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(16)));
+                }
+                for (int r = 0; r < mr; r++) {
+                    const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * K + 32 * c));
+                    const __m256 xd = _mm256_broadcast_ss(sx + r * C + c);
+                    acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, xd), _mm256_cvtepi32_ps(dot_us(u, x)), acc[r]);
+                    mt[r] = _mm256_fmadd_ps(_mm256_mul_ps(m, xd), _mm256_cvtepi32_ps(dot_us(ones, x)), mt[r]);
+                }
+            }
+            for (int r = 0; r < mr; r++) put(j, m0 + r, g + n, hsum_v(acc[r]) + hsum_v(mt[r]));
+            continue;
+        }
         if (!is_k(p->type)) {
             const int bytes = p->type == T_Q8_0 ? 34 : p->type == T_Q5_0 ? 22 : 18;
             __m256 acc[GG_ROWS];
