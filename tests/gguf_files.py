@@ -42,7 +42,7 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 # byte offsets of each block's fp16 scales (random blocks: any other bytes are a valid block)
 _Q = gguf.GGMLQuantizationType
 _HALVES = {_Q.Q4_1: (0, 2), _Q.Q5_1: (0, 2), _Q.Q2_K: (80, 82), _Q.Q4_K: (0, 2), _Q.Q5_K: (0, 2), _Q.Q6_K: (208,)}
-_RANDOM = (_Q.Q2_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K)  # what write_gguf stores as random blocks: gguf cannot quantize to them
+_RANDOM = (_Q.Q2_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K, _Q.IQ4_NL, _Q.IQ4_XS)  # what write_gguf stores as random blocks: gguf cannot quantize to them
 
 
 def random_blocks(qtype, rows: int, cols: int, seed: int, scale: float = 0.004) -> np.ndarray:

@@ -94,7 +94,7 @@ def test_activation_quantization_edge_cases_match_the_scalar_definition(qtype, d
     assert torch.equal(kernels.matmul(x[1:2], w), y[1:2])  # and one row alone
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.F16, Q.BF16])
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS, Q.F16, Q.BF16])
 def test_rows_do_not_depend_on_how_many_are_computed(qtype):
     K = 256
     w = _weight(qtype, 300, K, seed=3)  # several threads' shares of N
@@ -130,7 +130,7 @@ def test_bad_weights_are_refused():
 # ---- a tiny GGUF run natively ----------------------------------------------------------------
 
 # a Q4_K_M-like mix over a Gemma 3 whose rows are whole 256-value super-blocks
-_MIX = {"attn_q": Q.Q5_0, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q4_K, "ffn_gate": Q.Q5_K,
+_MIX = {"attn_q": Q.Q5_0, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.IQ4_XS, "ffn_gate": Q.Q5_K,
         "ffn_up": Q.Q5_1, "ffn_down": Q.Q6_K, "token_embd": Q.Q8_0}
 N_NEW = 24
 

@@ -13,6 +13,8 @@
  * its offset) and multiplied into 8 int32 lanes, lane l the exact sum over bytes 4l..4l+3 of
  * v * xq (through |v| and sign(xq, v)); block by block, acc[l] = fmaf(d * sx[c], (float)lane[l], acc[l])
  * and y = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7)).
+ * IQ4_NL: as Q4_0, v the nibble's entry of the non-linear table KV (int8).
+ * IQ4_XS: as Q6_K (one integer S a super-block), sc = its 32-value chunk's 6-bit scale - 32, v = KV[nibble].
  * Q4_1, Q5_1 (value d v + m, v the unsigned 0..15 / 0..31): the same lanes of v * xq, and beside
  * them mt[l] = fmaf(m * sx[c], (float)(the lane's sum of xq), mt[l]); y = hsum(acc) + hsum(mt).
  * K-quants, super-block sb (256 values, activation block sb) by super-block, its products
@@ -42,7 +44,10 @@
 #include <string.h>
 #include "pool.h"
 
-enum { T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
+enum { T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14,
+       T_IQ4_NL = 20, T_IQ4_XS = 23, T_BF16 = 30 };
+/* IQ4_NL / IQ4_XS: a nibble's value (llama.cpp's kvalues_iq4nl) */
+static const int8_t KV[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 #define GG_MAXPARTS 4
 #define GG_ROWS 16 /* rows per pass over the weights (more rows: several passes, same bits) */
 
@@ -75,6 +80,8 @@ static int gg_block(int type, int *bytes) {
     case T_Q4_0: *bytes = 18; return 32;
     case T_Q5_0: *bytes = 22; return 32;
     case T_Q4_1: *bytes = 20; return 32;
+    case T_IQ4_NL: *bytes = 18; return 32;
+    case T_IQ4_XS: *bytes = 136; return 256;
     case T_Q5_1: *bytes = 24; return 32;
     case T_Q8_0: *bytes = 34; return 32;
     case T_Q4_K: *bytes = 144; return 256;
@@ -191,6 +198,19 @@ static void decode_chunk(int type, const uint8_t *row, long c, int8_t *v, int *l
     *mi = 0;
     *d = *dmin = 0.0f;
     switch (type) {
+    case T_IQ4_NL: case T_IQ4_XS: {
+        const int xs = type == T_IQ4_XS;
+        const uint8_t *b = row + (xs ? (c / 8) * 136 : c * 18), *qs = xs ? b + 8 + 16 * (c % 8) : b + 2;
+        *d = gh2f(b);
+        if (xs) {
+            const int ib = (int)(c % 8);
+            const uint16_t h = (uint16_t)(b[2] | b[3] << 8);
+            const int ls = ((b[4 + ib / 2] >> (4 * (ib % 2))) & 15) | (((h >> (2 * ib)) & 3) << 4);
+            for (int l = 0; l < 8; l++) lsc[l] = ls - 32;
+        }
+        for (int j = 0; j < 16; j++) { v[j] = KV[qs[j] & 15]; v[j + 16] = KV[qs[j] >> 4]; }
+        return;
+    }
     case T_Q4_0: case T_Q5_0: case T_Q8_0: {
         const uint8_t *b = row + c * (type == T_Q4_0 ? 18 : type == T_Q5_0 ? 22 : 34);
         *d = gh2f(b);
@@ -263,7 +283,8 @@ static inline float hsum8(const float *a) {
     return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
 }
 
-static inline int is_k(int type) { return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K; }
+static inline int is_k(int type) { return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K || type == T_IQ4_XS; }
+static inline int one_sum(int type) { return type == T_Q6_K || type == T_IQ4_XS; } /* one integer S a super-block */
 static inline int is_float(int type) { return type == T_F16 || type == T_BF16; }
 static inline int has_min(int type) { return type == T_Q4_1 || type == T_Q5_1; }
 
@@ -297,7 +318,7 @@ static float dot_ref(int type, const uint8_t *row, long K, const int8_t *xq, con
         for (int l = 0; l < 8; l++) {
             int s = 0;
             for (int i = 0; i < 4; i++) s += (int)v[4 * l + i] * (int)xq[32 * c + 4 * l + i];
-            if (type == T_Q6_K) S += lsc[l] * s;
+            if (one_sum(type)) S += lsc[l] * s;
             else if (is_k(type)) L[l] += lsc[l] * s;
             else acc[l] = fmaf(d * sx[c], (float)s, acc[l]);
             if (has_min(type)) {
@@ -310,7 +331,7 @@ static float dot_ref(int type, const uint8_t *row, long K, const int8_t *xq, con
         ML[c % 8] = mi * (xs[2 * c] + xs[2 * c + 1]);
         if (c % 8 == 7) {
             const float f = d * sx[c / 8], fm = dmin * sx[c / 8];
-            if (type == T_Q6_K) { a = fmaf(f, (float)S, a); S = 0; continue; }
+            if (one_sum(type)) { a = fmaf(f, (float)S, a); S = 0; continue; }
             for (int l = 0; l < 8; l++) {
                 acc[l] = fmaf(f, (float)L[l], acc[l]);
                 mt[l] = fmaf(fm, (float)ML[l], mt[l]);
@@ -318,7 +339,7 @@ static float dot_ref(int type, const uint8_t *row, long K, const int8_t *xq, con
             }
         }
     }
-    return type == T_Q6_K ? a : is_k(type) ? hsum8(acc) - hsum8(mt) : has_min(type) ? hsum8(acc) + hsum8(mt) : hsum8(acc);
+    return one_sum(type) ? a : is_k(type) ? hsum8(acc) - hsum8(mt) : has_min(type) ? hsum8(acc) + hsum8(mt) : hsum8(acc);
 }
 
 /* ---- the vector chain ---------------------------------------------------------------------- */
@@ -393,10 +414,14 @@ static inline float hsum_v(__m256 a) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* the 32 signed values of a Q8_0 / Q4_0 / Q5_0 block */
+/* KV in both 128-bit halves (a VPSHUFB table) */
+static inline __m256i kv_table(void) { return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KV)); }
+
+/* the 32 signed values of a Q8_0 / Q4_0 / Q5_0 / IQ4_NL block */
 static inline __m256i legacy_values(int type, const uint8_t *b) {
     if (type == T_Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
     if (type == T_Q4_0) return _mm256_sub_epi8(nibbles(b + 2), _mm256_set1_epi8(8));
+    if (type == T_IQ4_NL) return _mm256_shuffle_epi8(kv_table(), nibbles(b + 2));
     uint32_t qh;
     memcpy(&qh, b + 2, 4);
     /* value - 16 as a byte: the nibble where the high bit is set, nibble | 0xF0 (= nibble - 16) where not */
@@ -478,7 +503,7 @@ static inline __attribute__((always_inline)) void part_rows(const gg_job *j, con
     const float *sx = j->sx + m0 * C, *ks = j->ks + m0 * (C / 8);
     const int16_t *kxs = j->kxs + m0 * (K / 16);
     long n = n0;
-    if (mr == 1 && (p->type == T_Q8_0 || p->type == T_Q4_0 || p->type == T_Q5_0)) {
+    if (mr == 1 && (p->type == T_Q8_0 || p->type == T_Q4_0 || p->type == T_Q5_0 || p->type == T_IQ4_NL)) {
         const int bytes = p->type == T_Q8_0 ? 34 : p->type == T_Q5_0 ? 22 : 18;
         for (; n + 1 < n1; n += 2) {
             const uint8_t *r0 = p->data + n * p->row_bytes, *r1 = r0 + p->row_bytes;
@@ -541,7 +566,7 @@ static inline __attribute__((always_inline)) void part_rows(const gg_job *j, con
             for (int r = 0; r < mr; r++) put(j, m0 + r, g + n, hsum_v(acc[r]));
             continue;
         }
-        float acc[GG_ROWS];                  /* Q6_K */
+        float acc[GG_ROWS];                  /* Q6_K, IQ4_XS */
         __m256 accv[GG_ROWS], mtv[GG_ROWS]; /* Q4_K, Q5_K: per lane, as the scalar chain */
         for (int r = 0; r < mr; r++) { acc[r] = 0.0f; accv[r] = mtv[r] = _mm256_setzero_ps(); }
         const __m256i m15 = _mm256_set1_epi8(15);
@@ -551,7 +576,20 @@ static inline __attribute__((always_inline)) void part_rows(const gg_job *j, con
             __m256i L[GG_ROWS];
             for (int r = 0; r < mr; r++) L[r] = _mm256_setzero_si256();
             float d, dmin = 0.0f;
-            if (p->type == T_Q6_K) {
+            if (p->type == T_IQ4_XS) {
+                const uint8_t *b = row + sb * 136;
+                d = gh2f(b);
+                const uint16_t h = (uint16_t)(b[2] | b[3] << 8);
+                for (int ib = 0; ib < 8; ib++) {
+                    const int ls = ((b[4 + ib / 2] >> (4 * (ib % 2))) & 15) | (((h >> (2 * ib)) & 3) << 4);
+                    const __m256i v = _mm256_shuffle_epi8(kv_table(), nibbles(b + 8 + 16 * ib));
+                    const __m256i av = _mm256_sign_epi8(v, v), scv = _mm256_set1_epi16((short)(ls - 32));
+                    for (int r = 0; r < mr; r++) {
+                        const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + r * K + 32 * ib));
+                        L[r] = dot_ws(L[r], _mm256_maddubs_epi16(av, _mm256_sign_epi8(xv, v)), scv);
+                    }
+                }
+            } else if (p->type == T_Q6_K) {
                 const uint8_t *b = row + sb * 210;
                 d = gh2f(b + 208);
                 /* 16 int8 scales, one per 16 values, as int16: [0..7 | 8..15], then each half in both */
@@ -613,7 +651,7 @@ static inline __attribute__((always_inline)) void part_rows(const gg_job *j, con
             for (int r = 0; r < mr; r++) acc[r] = fmaf(d * ks[r * (C / 8) + sb], (float)hsum_i(L[r]), acc[r]);
         }
         for (int r = 0; r < mr; r++)
-            put(j, m0 + r, g + n, p->type == T_Q6_K ? acc[r] : hsum_v(accv[r]) - hsum_v(mtv[r]));
+            put(j, m0 + r, g + n, one_sum(p->type) ? acc[r] : hsum_v(accv[r]) - hsum_v(mtv[r]));
     }
 }
 

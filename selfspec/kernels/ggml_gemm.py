@@ -15,7 +15,7 @@ from selfspec.kernels import build, ggml
 Q = GGMLQuantizationType
 # the block types csrc/ggml_gemm.c multiplies (its activation blocks and fp32 lanes are 32 values:
 # in % 32 == 0); F16 / BF16 rows multiply the activations unquantized
-QUANTIZED = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+QUANTIZED = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS})
 TYPES = QUANTIZED | {Q.F16, Q.BF16}
 MAX_PARTS = 4
 LAYOUT = 5  # selfspec_gemm's code for an ss_gweight
