@@ -92,6 +92,10 @@ def config_dict(f: GGUFFile) -> dict:
     cfg.update(_rope_scaling(f, arch))
     if (cap := f.metadata.get(f"{arch}.final_logit_softcapping")) is not None and arch == "gemma3":
         cfg["final_logit_softcapping"] = float(cap)
+    if arch == "gemma3" and cfg.get("num_hidden_layers") == 62 and cfg.get("num_attention_heads"):
+        # no key holds the query scaling: llama.cpp, as the original Gemma 3 27B, scales by hidden / heads
+        # there and by the head width elsewhere (transformers' default, 256, is every other size's width)
+        cfg["query_pre_attn_scalar"] = cfg["hidden_size"] // cfg["num_attention_heads"]
     if (info := f.tensors.get("rope_freqs.weight")) is not None:
         # llama.cpp's per-frequency divisors of the rotary angles: how its converter stores Llama
         # 3.1+'s llama3 rope scaling (no metadata key says it); architectures.rotary_tables applies them

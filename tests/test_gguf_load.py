@@ -128,6 +128,18 @@ def test_rope_scaling_keys_as_llama_cpp_reads_them():
             _scaling(meta)
 
 
+def test_gemma3_27b_query_scaling_is_llama_cpps():
+    """No GGUF key holds Gemma 3's query scaling: 27B's (62 layers) is hidden / heads, as llama.cpp
+    and the original's config have it; the other sizes keep transformers' default (their head width)."""
+    def config(layers: int) -> dict:
+        meta = {"general.architecture": "gemma3", "gemma3.block_count": layers, "gemma3.embedding_length": 5376,
+                "gemma3.attention.head_count": 32, "gemma3.attention.key_length": 128}
+        return gguf_load.config_dict(type("File", (), {"metadata": meta, "tensors": {}, "path": gguf_files.Path("m.gguf")})())
+
+    assert config(62)["query_pre_attn_scalar"] == 168
+    assert "query_pre_attn_scalar" not in config(34)
+
+
 def test_rope_freqs_of_the_wrong_length_are_one_line(tmp_path, monkeypatch):
     hf = helpers.build_hf("llama3", seed=5)
     factors = gguf_files.llama3_rope_factors
