@@ -433,14 +433,20 @@ static inline __m256 scale8(const uint8_t *b) {
     return _mm256_cvtph_ps(_mm_set1_epi16((short)((uint16_t)b[0] | (uint16_t)b[1] << 8)));
 }
 
-/* Software prefetch into L2 of the bytes [p, p + n) (hints: never fault, no effect on results).
- * A weight's rows are read once, in order, by a loop busy decoding them: with the hardware
- * prefetchers alone a thread streams from memory at a fraction of its in-cache rate; lines asked
- * for GG_PF_BYTES ahead into L2 close most of that gap (benchmarks/RESULTS.md, issue 52). */
+/* Software prefetch into L2, GG_PF_BYTES ahead of the reads (hints: never fault, no effect on
+ * results). A weight's rows are read once, in order, by a loop busy decoding them: with the
+ * hardware prefetchers alone a thread streams from memory at a fraction of its in-cache rate.
+ * A thread's stream keeps the next line to ask for in pf; GG_STREAM(pf, at), called as the loop
+ * reads up to `at`, asks for each line once, up to at + GG_PF_BYTES: spread through the decoding,
+ * never in a burst (asking for a whole long row at its start, 131 lines for a 10240-wide K-quant
+ * row, outruns the core's queue of outstanding misses: most of the burst is dropped;
+ * benchmarks/RESULTS.md, issue 52). A macro: gcc 12 drops the prefetches of an inline function
+ * that has no other effect. */
 #define GG_PF_BYTES (96 * 1024)
-/* a macro: gcc 12 drops the prefetches of an inline function that has no other effect */
-#define GG_PREFETCH(p, n) \
-    for (long o_ = 0; o_ < (n); o_ += 64) _mm_prefetch((const char *)(p) + GG_PF_BYTES + o_, _MM_HINT_T1)
+#define GG_STREAM(pf, at) \
+    for (const char *e_ = (const char *)(at) + GG_PF_BYTES; (pf) < e_; (pf) += 64) _mm_prefetch((pf), _MM_HINT_T1)
+/* a stream starting at the rows of part p from row n */
+#define GG_STREAM_AT(p, n) ((const char *)((p)->data + (n) * (p)->row_bytes) + GG_PF_BYTES)
 
 typedef struct {
     const ss_gweight *w;
@@ -477,13 +483,14 @@ static inline __m256 weight8(int type, const uint8_t *row, long k) {
 /* F16 / BF16 rows n0..n1-1 of part p for rows m0..m0+mr-1: dot_float_ref's chain, 4 vectors of 8 lanes */
 static inline __attribute__((always_inline)) void float_rows(const gg_job *j, const ss_gpart *p, long g, long n0, long n1, long m0, int mr) {
     const long K = j->K;
+    const char *pf = GG_STREAM_AT(p, n0);
     for (long n = n0; n < n1; n++) {
         const uint8_t *row = p->data + n * p->row_bytes;
-        GG_PREFETCH(row, p->row_bytes);
         __m256 acc[GG_ROWS][4];
         for (int r = 0; r < mr; r++)
             for (int q = 0; q < 4; q++) acc[r][q] = _mm256_setzero_ps();
         for (long k = 0; k < K; k += 32) {
+            GG_STREAM(pf, row + 2 * k + 64);
             __m256 w[4];
             for (int q = 0; q < 4; q++) w[q] = weight8(p->type, row, k + 8 * q);
             for (int r = 0; r < mr; r++)
@@ -503,13 +510,14 @@ static inline __attribute__((always_inline)) void part_rows(const gg_job *j, con
     const float *sx = j->sx + m0 * C, *ks = j->ks + m0 * (C / 8);
     const int16_t *kxs = j->kxs + m0 * (K / 16);
     long n = n0;
+    const char *pf = GG_STREAM_AT(p, n0);
     if (mr == 1 && (p->type == T_Q8_0 || p->type == T_Q4_0 || p->type == T_Q5_0 || p->type == T_IQ4_NL)) {
         const int bytes = p->type == T_Q8_0 ? 34 : p->type == T_Q5_0 ? 22 : 18;
         for (; n + 1 < n1; n += 2) {
             const uint8_t *r0 = p->data + n * p->row_bytes, *r1 = r0 + p->row_bytes;
-            GG_PREFETCH(r0, 2 * p->row_bytes);
             __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
             for (long c = 0; c < C; c++) {
+                GG_STREAM(pf, r1 + (c + 1) * bytes);
                 const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * c));
                 const __m256i v0 = legacy_values(p->type, r0 + c * bytes), v1 = legacy_values(p->type, r1 + c * bytes);
                 const __m256i s0 = dot_ss(v0, x), s1 = dot_ss(v1, x);
@@ -523,7 +531,6 @@ static inline __attribute__((always_inline)) void part_rows(const gg_job *j, con
     }
     for (; n < n1; n++) {
         const uint8_t *row = p->data + n * p->row_bytes;
-        GG_PREFETCH(row, p->row_bytes);
         if (has_min(p->type)) {
             const int five = p->type == T_Q5_1;
             __m256 acc[GG_ROWS], mt[GG_ROWS];
@@ -531,6 +538,7 @@ static inline __attribute__((always_inline)) void part_rows(const gg_job *j, con
             const __m256i ones = _mm256_set1_epi8(1);
             for (long c = 0; c < C; c++) {
                 const uint8_t *b = row + c * (five ? 24 : 20);
+                GG_STREAM(pf, b + (five ? 24 : 20));
                 const __m256 d = scale8(b), m = scale8(b + 2);
                 __m256i u = nibbles(b + (five ? 8 : 4));
                 if (five) {
@@ -554,6 +562,7 @@ static inline __attribute__((always_inline)) void part_rows(const gg_job *j, con
             for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_ps();
             for (long c = 0; c < C; c++) {
                 const uint8_t *b = row + c * bytes;
+                GG_STREAM(pf, b + bytes);
                 const __m256 d = scale8(b);
                 const __m256i v = legacy_values(p->type, b);
                 const __m256i av = _mm256_sign_epi8(v, v);
@@ -570,7 +579,9 @@ static inline __attribute__((always_inline)) void part_rows(const gg_job *j, con
         __m256 accv[GG_ROWS], mtv[GG_ROWS]; /* Q4_K, Q5_K: per lane, as the scalar chain */
         for (int r = 0; r < mr; r++) { acc[r] = 0.0f; accv[r] = mtv[r] = _mm256_setzero_ps(); }
         const __m256i m15 = _mm256_set1_epi8(15);
+        const long sbytes = p->row_bytes / (C / 8); /* a super-block's */
         for (long sb = 0; sb < C / 8; sb++) {
+            GG_STREAM(pf, row + (sb + 1) * sbytes);
             const int8_t *x = kq + 256 * sb;   /* row r: x + r * K */
             const int16_t *xs = kxs + 16 * sb; /* row r: xs + r * (K / 16) */
             __m256i L[GG_ROWS];
