@@ -106,6 +106,20 @@ static inline void k_scales6(const uint8_t *s, uint8_t *sc, uint8_t *m) {
     memcpy(m, o + 2, 8);
 }
 
+#ifdef __AVX2__
+/* k_scales6 in one vector, no bytes through memory: -> sc[8] (bytes 0..7), m[8] (bytes 8..15).
+ * Reads 16 bytes from s (the 12 of the scales and 4 that are not used). */
+static inline __m128i k_scales6_v(const uint8_t *s) {
+    const __m128i u = _mm_loadu_si128((const __m128i *)s);           /* words u0 u1 u2 . */
+    const __m128i t = _mm_shuffle_epi32(u, _MM_SHUFFLE(2, 1, 2, 0));  /* u0 u2 u1 u2 */
+    const __m128i h = _mm_shuffle_epi32(u, _MM_SHUFFLE(1, 1, 0, 0));  /* u0 u0 u1 u1 */
+    const __m128i lo = _mm_and_si128(_mm_srlv_epi32(t, _mm_setr_epi32(0, 0, 0, 4)),
+                                     _mm_setr_epi32(0x3F3F3F3F, 0x0F0F0F0F, 0x3F3F3F3F, 0x0F0F0F0F));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi32(h, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+    return _mm_or_si128(lo, hi);
+}
+#endif
+
 /* ---- activations ------------------------------------------------------------------------ */
 
 /* the rows' two quantizations (each made only where a part of the weight needs it): per 32
@@ -372,6 +386,13 @@ static inline __m256i dot_ws(__m256i acc, __m256i p, __m256i s) {
 #endif
 }
 
+/* acc[0] + ... + acc[n - 1], n = 1, 2 or 4 (exact: int32 lanes that cannot overflow) */
+static inline __m256i sum_acc(const __m256i *acc, int n) {
+    if (n == 1) return acc[0];
+    if (n == 2) return _mm256_add_epi32(acc[0], acc[1]);
+    return _mm256_add_epi32(_mm256_add_epi32(acc[0], acc[1]), _mm256_add_epi32(acc[2], acc[3]));
+}
+
 static inline int hsum_i(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
@@ -501,6 +522,80 @@ static inline __attribute__((always_inline)) void float_rows(const gg_job *j, co
     }
 }
 
+/* One activation row against one Q4_K / Q5_K weight row (K / 256 super-blocks): the chain of
+ * part_rows' general loop below (the same lanes, exact integers, the same fp32 FMAs in the same
+ * order), in a loop of its own for the decode step's one-row products (autoregressive steps,
+ * drafts): the integer sums in two accumulators, the scales unpacked in a vector. */
+static inline __attribute__((always_inline)) float k45_row1(const uint8_t *row, long nsb, int five, const int8_t *kq,
+                                                            const int16_t *kxs, const float *ks, const char **pf) {
+    const long sbytes = five ? 176 : 144;
+    const __m256i m15 = _mm256_set1_epi8(15), b16 = _mm256_set1_epi8(16);
+    __m256 accv = _mm256_setzero_ps(), mtv = _mm256_setzero_ps();
+    for (long sb = 0; sb < nsb; sb++) {
+        const uint8_t *b = row + sb * sbytes;
+        GG_STREAM(*pf, b + sbytes);
+        const int8_t *x = kq + 256 * sb;
+        int dbits;
+        memcpy(&dbits, b, 4);
+        const __m128 dm = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(dbits)), _mm_set1_ps(ks[sb])); /* d * sx, dmin * sx */
+        const __m128i sm = k_scales6_v(b + 4);
+        const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
+        const __m256i mn = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm));
+        const uint8_t *qs = five ? b + 48 : b + 16;
+        __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+        __m256i L0 = _mm256_setzero_si256(), L1 = _mm256_setzero_si256();
+        for (int jj = 0; jj < 4; jj++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * jj));
+            __m256i lo = _mm256_and_si256(q, m15), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m15);
+            if (five) {
+                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(qh, 4), b16));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(qh, 3), b16));
+                qh = _mm256_srli_epi16(qh, 2);
+            }
+            L0 = dot_ws(L0, _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(x + 64 * jj))), pick16(sc, 2 * jj, 2 * jj));
+            L1 = dot_ws(L1, _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 64 * jj + 32))),
+                        pick16(sc, 2 * jj + 1, 2 * jj + 1));
+        }
+        const __m256i ml = _mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i *)(kxs + 16 * sb)));
+        accv = _mm256_fmadd_ps(_mm256_broadcastss_ps(dm), _mm256_cvtepi32_ps(_mm256_add_epi32(L0, L1)), accv);
+        mtv = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)), _mm256_cvtepi32_ps(ml), mtv);
+    }
+    return hsum_v(accv) - hsum_v(mtv);
+}
+
+/* One activation row against one Q6_K weight row: part_rows' chain (one exact integer S a
+ * super-block, then one fp32 FMA), in a loop of its own as k45_row1, with four accumulators */
+static inline __attribute__((always_inline)) float q6k_row1(const uint8_t *row, long nsb, const int8_t *kq, const int16_t *kxs,
+                                                            const float *ks, const char **pf) {
+    const __m256i m15 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+    float acc = 0.0f;
+    for (long sb = 0; sb < nsb; sb++) {
+        const uint8_t *b = row + sb * 210;
+        GG_STREAM(*pf, b + 210);
+        const int8_t *x = kq + 256 * sb;
+        const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+        __m256i P[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+        for (int h = 0; h < 2; h++) {
+            const __m256i sh = _mm256_permute2x128_si256(sc, sc, h ? 0x11 : 0x00);
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h)), ql1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+            const __m256i u[4] = { /* chunk 4 h + cc: the stored 0..63 */
+                _mm256_or_si256(_mm256_and_si256(ql0, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)),
+                _mm256_or_si256(_mm256_and_si256(ql1, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m15), _mm256_and_si256(qh, m30)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m15), _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30))};
+            for (int cc = 0; cc < 4; cc++)
+                P[cc] = dot_ws(P[cc], _mm256_maddubs_epi16(u[cc], _mm256_loadu_si256((const __m256i *)(x + 128 * h + 32 * cc))),
+                               pick16(sh, 2 * cc, 2 * cc + 1));
+        }
+        const __m256i L = _mm256_sub_epi32(sum_acc(P, 4), _mm256_slli_epi32(_mm256_madd_epi16(sc,
+            _mm256_loadu_si256((const __m256i *)(kxs + 16 * sb))), 5));
+        acc = fmaf(_mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(row[sb * 210 + 208] | row[sb * 210 + 209] << 8))) * ks[sb],
+                   (float)hsum_i(L), acc);
+    }
+    return acc;
+}
+
 /* rows n0..n1-1 of part p (global column base g) for rows m0..m0+mr-1 (inlined: a one-row
  * call gets its own copy, its accumulator in a register) */
 static inline __attribute__((always_inline)) void part_rows(const gg_job *j, const ss_gpart *p, long g, long n0, long n1, long m0, int mr) {
@@ -528,6 +623,14 @@ static inline __attribute__((always_inline)) void part_rows(const gg_job *j, con
             put(j, m0, g + n, hsum_v(a0));
             put(j, m0, g + n + 1, hsum_v(a1));
         }
+    }
+    if (mr == 1 && (p->type == T_Q4_K || p->type == T_Q5_K || p->type == T_Q6_K)) {
+        for (; n < n1; n++) {
+            const uint8_t *row = p->data + n * p->row_bytes;
+            put(j, m0, g + n, p->type == T_Q6_K ? q6k_row1(row, C / 8, kq, kxs, ks, &pf)
+                                                 : k45_row1(row, C / 8, p->type == T_Q5_K, kq, kxs, ks, &pf));
+        }
+        return;
     }
     for (; n < n1; n++) {
         const uint8_t *row = p->data + n * p->row_bytes;
@@ -580,13 +683,18 @@ static inline __attribute__((always_inline)) void part_rows(const gg_job *j, con
         for (int r = 0; r < mr; r++) { acc[r] = 0.0f; accv[r] = mtv[r] = _mm256_setzero_ps(); }
         const __m256i m15 = _mm256_set1_epi8(15);
         const long sbytes = p->row_bytes / (C / 8); /* a super-block's */
+        const int NA = mr == 1 ? 4 : mr <= 3 ? 2 : 1; /* accumulators a row (below) */
         for (long sb = 0; sb < C / 8; sb++) {
             GG_STREAM(pf, row + (sb + 1) * sbytes);
             const int8_t *x = kq + 256 * sb;   /* row r: x + r * K */
             const int16_t *xs = kxs + 16 * sb; /* row r: xs + r * (K / 16) */
-            __m256i L[GG_ROWS];
-            for (int r = 0; r < mr; r++) L[r] = _mm256_setzero_si256();
-            float d, dmin = 0.0f;
+            /* a row's integer sums in NA independent accumulators, added at the end of the
+             * super-block: exact integers in any order, and one row's chain of eight
+             * VPDPWSSD (each waiting on the last) was the one-row path's limit */
+            __m256i P[GG_ROWS][4], L[GG_ROWS];
+            for (int r = 0; r < mr; r++)
+                for (int a = 0; a < NA; a++) P[r][a] = _mm256_setzero_si256();
+            float d = 0.0f;
             if (p->type == T_IQ4_XS) {
                 const uint8_t *b = row + sb * 136;
                 d = gh2f(b);
@@ -597,7 +705,7 @@ static inline __attribute__((always_inline)) void part_rows(const gg_job *j, con
                     const __m256i av = _mm256_sign_epi8(v, v), scv = _mm256_set1_epi16((short)(ls - 32));
                     for (int r = 0; r < mr; r++) {
                         const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + r * K + 32 * ib));
-                        L[r] = dot_ws(L[r], _mm256_maddubs_epi16(av, _mm256_sign_epi8(xv, v)), scv);
+                        P[r][ib % NA] = dot_ws(P[r][ib % NA], _mm256_maddubs_epi16(av, _mm256_sign_epi8(xv, v)), scv);
                     }
                 }
             } else if (p->type == T_Q6_K) {
@@ -617,22 +725,21 @@ static inline __attribute__((always_inline)) void part_rows(const gg_job *j, con
                         const __m256i scv = pick16(sh[h], 2 * cc, 2 * cc + 1);
                         for (int r = 0; r < mr; r++) {
                             const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + r * K + 128 * h + 32 * cc));
-                            L[r] = dot_ws(L[r], _mm256_maddubs_epi16(u, xv), scv);
+                            P[r][(4 * h + cc) % NA] = dot_ws(P[r][(4 * h + cc) % NA], _mm256_maddubs_epi16(u, xv), scv);
                         }
                     }
                 }
                 /* the offset: S -= 32 * sum over groups of sc * xs */
                 for (int r = 0; r < mr; r++)
-                    L[r] = _mm256_sub_epi32(L[r], _mm256_slli_epi32(_mm256_madd_epi16(sc,
+                    L[r] = _mm256_sub_epi32(sum_acc(P[r], NA), _mm256_slli_epi32(_mm256_madd_epi16(sc,
                         _mm256_loadu_si256((const __m256i *)(xs + r * (K / 16)))), 5));
             } else {
                 const int five = p->type == T_Q5_K;
                 const uint8_t *b = row + sb * (five ? 176 : 144);
-                d = gh2f(b);
-                dmin = gh2f(b + 2);
-                uint8_t scm[16];
-                k_scales6(b + 4, scm, scm + 8);
-                const __m128i sm = _mm_loadu_si128((const __m128i *)scm); /* sc[8], m[8] */
+                int dbits;
+                memcpy(&dbits, b, 4);
+                const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(dbits)); /* d, dmin */
+                const __m128i sm = k_scales6_v(b + 4); /* sc[8], m[8] */
                 const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
                 const __m256i mn = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm)); /* m0 m0 m1 m1 .. */
                 const uint8_t *qs = five ? b + 48 : b + 16;
@@ -648,17 +755,21 @@ static inline __attribute__((always_inline)) void part_rows(const gg_job *j, con
                     const __m256i slo = pick16(sc, 2 * jj, 2 * jj), shi = pick16(sc, 2 * jj + 1, 2 * jj + 1);
                     for (int r = 0; r < mr; r++) {
                         const int8_t *xr = x + r * K + 64 * jj;
-                        L[r] = dot_ws(L[r], _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xr)), slo);
-                        L[r] = dot_ws(L[r], _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xr + 32))), shi);
+                        P[r][(2 * jj) % NA] = dot_ws(P[r][(2 * jj) % NA], _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xr)), slo);
+                        P[r][(2 * jj + 1) % NA] = dot_ws(P[r][(2 * jj + 1) % NA], _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xr + 32))), shi);
                     }
                 }
                 for (int r = 0; r < mr; r++) { /* lane l: chunk l's min term */
+                    L[r] = sum_acc(P[r], NA);
                     const __m256i ml = _mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i *)(xs + r * (K / 16))));
-                    accv[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * ks[r * (C / 8) + sb]), _mm256_cvtepi32_ps(L[r]), accv[r]);
-                    mtv[r] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * ks[r * (C / 8) + sb]), _mm256_cvtepi32_ps(ml), mtv[r]);
+                    const __m128 dm = _mm_mul_ps(dd, _mm_set1_ps(ks[r * (C / 8) + sb])); /* d * sx, dmin * sx */
+                    accv[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(dm), _mm256_cvtepi32_ps(L[r]), accv[r]);
+                    mtv[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)), _mm256_cvtepi32_ps(ml), mtv[r]);
                 }
                 continue;
             }
+            if (p->type == T_IQ4_XS)
+                for (int r = 0; r < mr; r++) L[r] = sum_acc(P[r], NA);
             for (int r = 0; r < mr; r++) acc[r] = fmaf(d * ks[r * (C / 8) + sb], (float)hsum_i(L[r]), acc[r]);
         }
         for (int r = 0; r < mr; r++)
