@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import torch
 
@@ -55,6 +56,7 @@ class ScreenedHead:
         self.pairs = isinstance(head, kernels.PackedWeight) and head.pairs
         self.rows = self.candidates = self.computed = self.full_rows = 0  # counters: what screening did (computed: exactly)
         self.picks = self.pick_candidates = self.pick_computed = self.pick_full = 0  # the same for sampled_head.py's picks
+        self.costs = PassCosts()  # which way a several-row pass of seeded picks is cheaper here (sampled_head.HeadRows.whole)
 
     @classmethod
     def make(cls, head) -> ScreenedHead | None:
@@ -98,6 +100,53 @@ class ScreenedHead:
         self.computed += int(computed.sum())
         self.full_rows += len(bad)
         return best.tolist()
+
+
+class PassCosts:
+    """Which way a verify pass's seeded picks are cheaper on this machine, learnt from the passes
+    themselves: through the screen (its int8 matmul over the pass's rows, then each row's screened
+    pick, sampled_head.HeadRow.gumbel) or through the full head (one matmul of all the rows, then
+    each row's pick over its whole row). Either way a row's pick is the same token (sampled_head.py
+    proves the screened one exact), so the choice changes time only; which side wins depends on the
+    CPU (where bf16 pairs make several rows of the full head cost about one row's bytes) and on the
+    truncation (a top-p row's screened pick also proves its nucleus). Each cost is an exponentially
+    weighted average of what was observed (per row count and per kind of pick); a side never
+    observed at a row count is tried once. One-row passes (autoregressive decoding) always read the
+    screen: half the head's bytes."""
+
+    DECAY = 0.8  # weight of the past in each average
+    MARGIN = 0.85  # the full head is taken only where predicted at most this share of the screen's cost
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.matmul_s: dict[tuple[bool, int], float] = {}  # (full head?, rows) -> seconds of the pass's matmul
+        self.pick_s: dict[tuple[bool, bool], float] = {}  # (full head?, truncated?) -> seconds of one row's pick
+
+    def _saw(self, table: dict, key, seconds: float) -> None:
+        old = table.get(key)
+        table[key] = seconds if old is None else self.DECAY * old + (1 - self.DECAY) * seconds
+
+    def saw_matmul(self, full: bool, rows: int, seconds: float) -> None:
+        self._saw(self.matmul_s, (full, rows), seconds)
+
+    def saw_pick(self, full: bool, truncated: bool, seconds: float) -> None:
+        self._saw(self.pick_s, (full, truncated), seconds)
+
+    def whole(self, rows: int, truncated: bool) -> bool:
+        """Whether a pass of `rows` rows of picks (truncated: top-k / top-p) should read the full head."""
+        if not self.enabled or rows < 2:
+            return False
+        screen = [self.matmul_s.get((False, rows)), self.pick_s.get((False, truncated))]
+        full = [self.matmul_s.get((True, rows)), self.pick_s.get((True, truncated))]
+        if None in screen:
+            return False  # the screen first: the usual side
+        if None in full:
+            return True  # tried once
+        return full[0] + rows * full[1] < self.MARGIN * (screen[0] + rows * screen[1])
+
+    @staticmethod
+    def clock() -> float:
+        return time.perf_counter()
 
 
 _lock = threading.Lock()

@@ -27,7 +27,7 @@ maximum, so m = max x exactly), then from the bounds for the rest of the row (xu
            with REL above every rounding of both sides proves it.
 Where the test fails (t* maybe outside: about the share 1 - top_p of rows, plus a margin band)
 top-p picks over the nucleus itself: exact columns of the tokens of largest upper bound prove
-which tokens are in it and which cannot matter (_nucleus_pick); where even that cannot tell (a
+which tokens are in it and which cannot matter (nucleus.py: nucleus_pick); where even that cannot tell (a
 boundary exactly on a token, a nucleus wider than the columns) the full head decides.
 Processed rows (processors.ProcessedRow: greedy or sampled, no logprobs recorded). Every processor
 but min_p (logit_bias, the penalties, a grammar's -inf) maps each token's logit to a new value by
@@ -59,8 +59,9 @@ import torch
 
 from selfspec import kernels
 from selfspec.config import SamplingConfig
-from selfspec.coupling import LazyRow, pick_entries
+from selfspec.coupling import LazyRow, gumbel_token, pick_entries
 from selfspec.greedy_head import ScreenedHead
+from selfspec.nucleus import CUT, REL, best_pick, nucleus_pick
 from selfspec.processors import min_p_floor
 from selfspec.kernels.screen import act_residual, at_least, exact_columns, gumbel_reach, nucleus_tail, screen_bounds, screen_qgemm
 
@@ -71,9 +72,6 @@ SCREEN_TRUNCATED = True  # top-k / top-p rows through the screen (off: the full 
 TRUNCATED_COLUMNS = 1024  # exact columns a truncated row may take before the full head is cheaper
 NUCLEUS_COLUMNS = (256, 768)  # exact columns tried, in turn, for a top-p nucleus the pick may fall outside
 FEW = 512  # a grammar allowing at most this many tokens: their exact columns alone decide the row
-CUT = 20.0  # normaliser terms below exp(-CUT) of the largest are left out of its lower bound
-REL = 2.0**-12  # relative margin > csrc/sampling.c's roundings of the masses (fp32 exps and block sums) and ours
-_FLT_MAX = 3.4028234663852886e38
 
 
 class HeadRows:
@@ -86,6 +84,7 @@ class HeadRows:
         self.shape = torch.Size((x.shape[0], screen.head.shape[1]))
         self._a = self._full = self._one = None  # _one: (i, row i's logits), the first row asked for alone
         self._given: set[int] = set()  # rows the screen left to the full head (counted in screen.pick_full)
+        self._whole: bool | None = None  # the pass's picks through the full head instead (screen.costs), from its first pick
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -96,8 +95,17 @@ class HeadRows:
     def full(self) -> torch.Tensor:
         """Every row's logits [R, V] (fp32), as Runtime.logits computes them."""
         if self._full is None:
+            t0 = self.screen.costs.clock()
             self._full = self._make_full(self.x)
+            self.screen.costs.saw_matmul(True, len(self), self.screen.costs.clock() - t0)
         return self._full
+
+    def whole(self, truncated: bool) -> bool:
+        """Whether this pass's unprocessed picks read the full head (greedy_head.PassCosts), decided
+        at its first pick and kept for its rows."""
+        if self._whole is None:
+            self._whole = self._a is None and self.screen.costs.whole(len(self), truncated)
+        return self._whole
 
     def full_row(self, i: int) -> torch.Tensor:
         """Row i's logits [V] (fp32), full()[i] bit for bit (the head is row-invariant): the first
@@ -117,9 +125,11 @@ class HeadRows:
         """(a [R, V], xn, dxn [R]): the int8 head's values of every row (one read of it) and the
         bound's activation norms."""
         if self._a is None:
+            t0 = self.screen.costs.clock()
             a = screen_qgemm(self.x, self.screen.qhead)
             xn, dxn = act_residual(self.x, round_bf16=self.screen.pairs)
             self._a = (a, xn, dxn)
+            self.screen.costs.saw_matmul(False, len(self), self.screen.costs.clock() - t0)
         return self._a
 
     def exact(self, i: int, cols: torch.Tensor) -> torch.Tensor | None:
@@ -222,7 +232,21 @@ class HeadRow(LazyRow):
 
     def gumbel(self, cfg: SamplingConfig, key: int, pos: int, edit=None) -> int | None:
         """The token coupling.gumbel_token picks from the full (processed) row under cfg with the
-        noise of (key, pos), or None where the screen cannot decide it (module doc)."""
+        noise of (key, pos): through the screen (_screened_gumbel), or over the whole row where the
+        pass reads the full head (HeadRows.whole); each way timed for the choice."""
+        truncated = cfg.top_k is not None or (cfg.top_p is not None and cfg.top_p < 1.0)
+        whole = edit is None and self.rows.whole(truncated)
+        row = self.rows.full()[self.i] if whole else None
+        if edit is None and not whole:
+            self.rows.screened()  # the pass's matmul, timed apart from the row's pick
+        t0 = self.rows.screen.costs.clock()
+        token = gumbel_token(row, cfg, key, pos) if whole else self._screened_gumbel(cfg, key, pos, edit)
+        if edit is None and token is not None:
+            self.rows.screen.costs.saw_pick(whole, truncated, self.rows.screen.costs.clock() - t0)
+        return token
+
+    def _screened_gumbel(self, cfg: SamplingConfig, key: int, pos: int, edit) -> int | None:
+        """The pick through the screen, or None where it cannot decide it (module doc)."""
         v = self.rows.shape[1]
         t = cfg.temperature
         top_k = cfg.top_k if cfg.top_k is not None and cfg.top_k < v else None
@@ -286,7 +310,7 @@ class HeadRow(LazyRow):
                  known: tuple[torch.Tensor, torch.Tensor], t: float, top_p: float, key: int, pos: int, edit) -> int | None:
         """The top-p pick over the nucleus itself (the unrestricted pick may fall outside it), from
         exact columns of cand and of the NUCLEUS_COLUMNS tokens of largest upper bound, tried in
-        turn (_nucleus_pick; known: columns computed already); None where the bounds cannot prove it."""
+        turn (nucleus_pick; known: columns computed already); None where the bounds cannot prove it."""
         for k in NUCLEUS_COLUMNS:
             level = min(float(up.topk(min(k, len(up))).values[-1]), lo_max)  # <= max lo: E holds the row's maximum
             top = at_least(up, level, TRUNCATED_COLUMNS)
@@ -298,7 +322,7 @@ class HeadRow(LazyRow):
                 return None
             known = (ids, vals)
             self.rows.screen.pick_candidates += len(ids)
-            token = _nucleus_pick(ids, vals, (lo, up), level, thr, t, top_p, key, pos)
+            token = nucleus_pick(ids, vals, (lo, up), level, thr, t, top_p, key, pos)
             if token is not None:
                 return token
         return None
@@ -319,7 +343,7 @@ class HeadRow(LazyRow):
             if vals is None:
                 return None
             known = (ids[first], vals)
-            best = _c_best(_kept(vals, temperature, tau), temperature, ids[first], key, pos)
+            best = best_pick(_kept(vals, temperature, tau), temperature, ids[first], key, pos)
             if best is not None:  # (None: none of them surely in the support, nothing pruned)
                 ids = ids[(s_up >= best[1]).nonzero().flatten()]  # holds every token that can reach the best: the winner
         vals = self._exact(ids, edit) if known is None else self._exact_with(ids, known, edit)
@@ -373,65 +397,10 @@ class HeadRow(LazyRow):
         return token if a_up * (1 + REL) < top_p * z_lo * (1 - REL) else None
 
 
-def _nucleus_pick(ids: torch.Tensor, vals: torch.Tensor, bounds: tuple[torch.Tensor, torch.Tensor], level: float, thr: float,
-                  t: float, top_p: float, key: int, pos: int) -> int | None:
-    """The Gumbel-max pick over the top-p nucleus N = {j : A_j < top_p Z} (A_j: the mass strictly
-    above x_j), or None where the bounds cannot prove it. vals: the exact (processed) logits of
-    E = ids (int32 ascending), which holds {up >= level} (level <= max lo: the row's maximum m is
-    in E) and every token whose upper score reaches thr (gumbel_reach's); bounds (lo, up) elsewhere.
-    Outside E, x_j <= xL = fl(level / T), so with R_up >= sum of exp(x_j - m) there >= R_lo
-    (nucleus_tail) and Z_E, A_i^E the exact sums over E:
-      Z in [Z_E + R_lo, Z_E + R_up];  i in E: A_i in [A_i^E, A_i^E + (R_up where x_i < xL, else 0)];
-    i is surely in (A_i's upper end < top_p Z's lower), surely out (lower >= upper), or unsure,
-    each side widened by REL as in _pick. The pick over the surely-in tokens is the pick over N
-    when no unsure token would beat it (the pick over both is the same token) and no token outside
-    E could: their scores are below thr, and thr <= its score; or they are surely out (the mass of
-    E above xL >= top_p Z already)."""
-    x = vals / t
-    finite = x > float("-inf")
-    if not bool(finite.any()):
-        return None
-    m = float(x.max())
-    e = (x.double() - m).exp()  # 0 where x is -inf
-    xl = float(torch.tensor(level, dtype=torch.float32) / t)
-    r_up, _, r_lo = nucleus_tail(*bounds, t, float("-inf"), m, CUT, ids)
-    z_lo, z_up = float(e.sum()) + r_lo, float(e.sum()) + r_up
-    xs, order = x.sort(descending=True, stable=True)
-    excl = e[order].cumsum(0) - e[order]  # the mass before each entry in that order
-    a = torch.empty_like(e)
-    a[order] = excl[torch.searchsorted(-xs, -xs, side="left")]  # ties: the mass strictly above
-    keep = ((a + (x < xl).double() * r_up) * (1 + REL) < top_p * z_lo * (1 - REL)) & finite
-    unsure = ~keep & finite & ~(a * (1 - REL) >= top_p * z_up * (1 + REL))
-    if not bool(keep.any()):
-        return None
-    j = keep.nonzero().flatten()
-    best = _c_best(vals[j], t, ids[j].long(), key, pos)
-    if best is None:
-        return None
-    token = int(ids[j[best[0]]])
-    if not best[1] >= thr and not float(e[x > xl].sum()) * (1 - REL) >= top_p * z_up * (1 + REL):
-        return None  # a token outside E may be in the nucleus and win
-    if bool(unsure.any()):
-        j = (keep | unsure).nonzero().flatten()
-        if int(ids[j[pick_entries(vals[j], ids[j].long(), key, pos, t)]]) != token:
-            return None  # an unsure token would win if it is in
-    return token
-
-
 def _kept(vals: torch.Tensor, t: float, tau: tuple | None) -> torch.Tensor:
     """vals with -inf where min_p may drop the token (x = vals / T < the floor's upper bound tau[1],
     as processors.py compares)."""
     return vals if tau is None else vals.masked_fill(vals / t < tau[1], float("-inf"))
-
-
-def _c_best(xs: torch.Tensor, temperature: float, ids: torch.Tensor | None, key: int, pos: int) -> tuple[int, float] | None:
-    """(j, score): the pick of xs [n] (entry j: token ids[j], or j; pick_entries' entry) and its score
-    fl(fl(xs_j / T) + g), by csrc/gumbel.c's pick (its arithmetic); None if xs has no finite entry."""
-    score = torch.empty(1, dtype=torch.float32)
-    xs = xs.contiguous()
-    j = kernels.sampling_functions()["pick"](xs.data_ptr(), len(xs), temperature, -_FLT_MAX,
-                                             None if ids is None else ids.contiguous().data_ptr(), key, pos, score.data_ptr())
-    return None if j < 0 else (j, float(score))
 
 
 def head_rows(runtime, h: torch.Tensor, screen: ScreenedHead | None) -> HeadRows | torch.Tensor:

@@ -156,9 +156,14 @@ def test_exp_bound_is_within_its_slack():
     assert float(e[-3]) == 0.0 and e[-2:].isinf().all()
 
 
-def _force_screen(model) -> ScreenedHead:
+def _force_screen(model, whole=None) -> ScreenedHead:
+    """The screen on the model's head; every pass through it (whole None: no PassCosts choice),
+    or through the full head where whole(rows, truncated) says so."""
     rt = model.runtime
     rt._screened = ScreenedHead.make(rt.head)
+    rt._screened.costs.enabled = False
+    if whole is not None:
+        rt._screened.costs.whole = whole
     return rt._screened
 
 
@@ -208,6 +213,55 @@ def test_seeded_outputs_are_the_stored_unscreened_texts(zoo, monkeypatch, arch):
         pytest.skip("no stored texts for this machine's kernel chains")
     print("processed rows the screen decided:", processed)
     assert processed["argmax"] > 50 * checked / 2 and processed["gumbel"] > 200 * checked / 2, processed
+
+
+def test_passes_through_the_full_head_are_the_stored_texts(zoo):
+    """Verify passes whose seeded picks read the full head instead of the screen (PassCosts' choice,
+    forced for every pass of 2 rows or more) give the stored tokens too, the screen's one-row passes
+    beside them."""
+    stored = json.loads(seeded_cases.DATA.read_text())["tiny"]
+    arch, checked, passes = seeded_cases.ARCHS[0], 0, []
+    for dtype in seeded_cases.DTYPES:
+        model = seeded_cases.tiny_model(zoo.get, arch, dtype)
+        want = stored.get(seeded_cases.tiny_key(arch, dtype, model))
+        if want is None:
+            continue
+        checked += 1
+        sh = _force_screen(model, whole=lambda rows, truncated: passes.append(rows) or rows >= 2)
+        try:
+            got = seeded_cases.tiny_outputs(model)
+        finally:
+            model.runtime._screened = None
+        bad = [k for k in want if got[k] != want[k]]
+        assert got.keys() == want.keys() and not bad, (dtype, bad[:5])
+        assert sh.picks > 0  # one-row passes still went through the screen
+    if not checked:
+        pytest.skip("no stored texts for this machine's kernel chains")
+    assert sum(r >= 2 for r in passes) > 20 and 1 in passes, passes[:40]
+
+
+def test_pass_costs_choose_the_cheaper_side():
+    """The screen first, the full head tried once at a row count, then whichever is cheaper by
+    MARGIN, per kind of pick; one-row passes and a disabled choice always take the screen."""
+    from selfspec.greedy_head import PassCosts
+    c = PassCosts()
+    assert not c.whole(6, True)  # nothing seen: the screen
+    c.saw_matmul(False, 6, 6e-3)
+    c.saw_pick(False, True, 1.6e-3)
+    assert c.whole(6, True)  # the full head never seen at 6 rows: tried
+    c.saw_matmul(True, 6, 9e-3)
+    c.saw_pick(True, True, 0.2e-3)
+    assert c.whole(6, True)  # 9 + 1.2 ms against 6 + 9.6: cheaper
+    assert not c.whole(1, True) and not c.whole(3, True)  # one row: the screen; 3 rows: its screen side unseen
+    c.saw_pick(False, False, 0.7e-3)
+    c.saw_pick(True, False, 0.4e-3)
+    assert not c.whole(6, False)  # 9 + 2.4 against 6 + 4.2: the screen
+    for _ in range(20):
+        c.saw_matmul(True, 6, 16e-3)
+    assert not c.whole(6, True)  # the full head got dearer: the averages follow
+    c.enabled = False
+    c.matmul_s[(True, 6)] = 0.0
+    assert not c.whole(6, True)
 
 
 _grammar_models: list = []
