@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
 import torch
 
@@ -143,10 +142,6 @@ class PassCosts:
         if None in full:
             return True  # tried once
         return full[0] + rows * full[1] < self.MARGIN * (screen[0] + rows * screen[1])
-
-    @staticmethod
-    def clock() -> float:
-        return time.perf_counter()
 
 
 _lock = threading.Lock()

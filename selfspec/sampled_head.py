@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Callable
 
 import torch
@@ -63,6 +64,7 @@ from selfspec.coupling import LazyRow, gumbel_token, pick_entries
 from selfspec.greedy_head import ScreenedHead
 from selfspec.nucleus import CUT, REL, best_pick, nucleus_pick
 from selfspec.processors import min_p_floor
+from selfspec.sampling import truncating
 from selfspec.kernels.screen import act_residual, at_least, exact_columns, gumbel_reach, nucleus_tail, screen_bounds, screen_qgemm
 
 ENABLED = os.environ.get("SELFSPEC_EXACT_PICKS") != "1"  # off: every sampled row is computed in full (benchmarks)
@@ -95,9 +97,9 @@ class HeadRows:
     def full(self) -> torch.Tensor:
         """Every row's logits [R, V] (fp32), as Runtime.logits computes them."""
         if self._full is None:
-            t0 = self.screen.costs.clock()
+            t0 = time.perf_counter()
             self._full = self._make_full(self.x)
-            self.screen.costs.saw_matmul(True, len(self), self.screen.costs.clock() - t0)
+            self.screen.costs.saw_matmul(True, len(self), time.perf_counter() - t0)
         return self._full
 
     def whole(self, truncated: bool) -> bool:
@@ -125,11 +127,11 @@ class HeadRows:
         """(a [R, V], xn, dxn [R]): the int8 head's values of every row (one read of it) and the
         bound's activation norms."""
         if self._a is None:
-            t0 = self.screen.costs.clock()
+            t0 = time.perf_counter()
             a = screen_qgemm(self.x, self.screen.qhead)
             xn, dxn = act_residual(self.x, round_bf16=self.screen.pairs)
             self._a = (a, xn, dxn)
-            self.screen.costs.saw_matmul(False, len(self), self.screen.costs.clock() - t0)
+            self.screen.costs.saw_matmul(False, len(self), time.perf_counter() - t0)
         return self._a
 
     def exact(self, i: int, cols: torch.Tensor) -> torch.Tensor | None:
@@ -234,15 +236,15 @@ class HeadRow(LazyRow):
         """The token coupling.gumbel_token picks from the full (processed) row under cfg with the
         noise of (key, pos): through the screen (_screened_gumbel), or over the whole row where the
         pass reads the full head (HeadRows.whole); each way timed for the choice."""
-        truncated = cfg.top_k is not None or (cfg.top_p is not None and cfg.top_p < 1.0)
+        truncated = truncating(cfg, self.rows.shape[1])
         whole = edit is None and self.rows.whole(truncated)
         row = self.rows.full()[self.i] if whole else None
         if edit is None and not whole:
             self.rows.screened()  # the pass's matmul, timed apart from the row's pick
-        t0 = self.rows.screen.costs.clock()
+        t0 = time.perf_counter()
         token = gumbel_token(row, cfg, key, pos) if whole else self._screened_gumbel(cfg, key, pos, edit)
         if edit is None and token is not None:
-            self.rows.screen.costs.saw_pick(whole, truncated, self.rows.screen.costs.clock() - t0)
+            self.rows.screen.costs.saw_pick(whole, truncated, time.perf_counter() - t0)
         return token
 
     def _screened_gumbel(self, cfg: SamplingConfig, key: int, pos: int, edit) -> int | None:

@@ -21,7 +21,7 @@ import seeded_cases
 from selfspec import kernels, sampled_head
 from selfspec.config import GenerationConfig, LogitBias, SamplingConfig
 from selfspec.coupling import gumbel_noise, gumbel_token
-from selfspec.greedy_head import ScreenedHead, screened_head
+from selfspec.greedy_head import PassCosts, ScreenedHead, screened_head
 from selfspec.kernels.screen import act_residual, at_least, exp_bound, gumbel_reach, nucleus_tail, screen_bounds, screen_qgemm
 from selfspec.processors import Processing, ProcessedRow, min_p_floor
 
@@ -243,7 +243,6 @@ def test_passes_through_the_full_head_are_the_stored_texts(zoo):
 def test_pass_costs_choose_the_cheaper_side():
     """The screen first, the full head tried once at a row count, then whichever is cheaper by
     MARGIN, per kind of pick; one-row passes and a disabled choice always take the screen."""
-    from selfspec.greedy_head import PassCosts
     c = PassCosts()
     assert not c.whole(6, True)  # nothing seen: the screen
     c.saw_matmul(False, 6, 6e-3)

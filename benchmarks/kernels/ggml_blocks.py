@@ -68,8 +68,8 @@ def main() -> None:
                     kernels.matmul(xs[r], weight, num_threads=a.threads)
                     best[k, r] = min(best[k, r], time.perf_counter() - t)
         one = best["blocks", 1]
-        copies = [w] + [GGMLWeight([(random_blocks(qtype, out, inn, seed=s), qtype)], inn)
-                        for s in range(1, -(-STREAM_BYTES // w.nbytes))]
+        n_copies = -(-STREAM_BYTES // w.nbytes)
+        copies = [w] + [GGMLWeight([(random_blocks(qtype, out, inn, seed=s), qtype)], inn) for s in range(1, n_copies)]
         cold = float("inf")
         for _ in range(max(3, a.repeats // 3)):
             t = time.perf_counter()
@@ -78,7 +78,7 @@ def main() -> None:
             cold = min(cold, time.perf_counter() - t)
         del copies
         table.add_row(what, qtype.name, f"{w.nbytes / 1e6:.1f}", f"{one * 1e3:.2f}", f"{w.nbytes / one / 1e9:.1f}",
-                      f"{-(-STREAM_BYTES // w.nbytes) * w.nbytes / cold / 1e9:.1f}",
+                      f"{n_copies * w.nbytes / cold / 1e9:.1f}",
                       f"{best['bf16', 1] * 1e3:.2f}", *[f"{best['blocks', r] / one:.2f}x" for r in rows if r > 1])
     console.print(table)
 

@@ -386,13 +386,6 @@ static inline __m256i dot_ws(__m256i acc, __m256i p, __m256i s) {
 #endif
 }
 
-/* acc[0] + ... + acc[n - 1], n = 1, 2 or 4 (exact: int32 lanes that cannot overflow) */
-static inline __m256i sum_acc(const __m256i *acc, int n) {
-    if (n == 1) return acc[0];
-    if (n == 2) return _mm256_add_epi32(acc[0], acc[1]);
-    return _mm256_add_epi32(_mm256_add_epi32(acc[0], acc[1]), _mm256_add_epi32(acc[2], acc[3]));
-}
-
 static inline int hsum_i(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
@@ -522,6 +515,17 @@ static inline __attribute__((always_inline)) void float_rows(const gg_job *j, co
     }
 }
 
+/* A Q4_K / Q5_K super-block's d and dmin (lanes 0, 1), its 6-bit scales as int16 in both halves
+ * (*sc) and its mins, each twice (*mn: m0 m0 m1 m1 ..), unpacked in vectors */
+static inline __m128 k45_head(const uint8_t *b, __m256i *sc, __m256i *mn) {
+    int dbits;
+    memcpy(&dbits, b, 4);
+    const __m128i sm = k_scales6_v(b + 4); /* sc[8], m[8] */
+    *sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
+    *mn = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm));
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(dbits));
+}
+
 /* One activation row against one Q4_K / Q5_K weight row (K / 256 super-blocks): the chain of
  * part_rows' general loop below (the same lanes, exact integers, the same fp32 FMAs in the same
  * order), in a loop of its own for the decode step's one-row products (autoregressive steps,
@@ -535,12 +539,8 @@ static inline __attribute__((always_inline)) float k45_row1(const uint8_t *row, 
         const uint8_t *b = row + sb * sbytes;
         GG_STREAM(*pf, b + sbytes);
         const int8_t *x = kq + 256 * sb;
-        int dbits;
-        memcpy(&dbits, b, 4);
-        const __m128 dm = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(dbits)), _mm_set1_ps(ks[sb])); /* d * sx, dmin * sx */
-        const __m128i sm = k_scales6_v(b + 4);
-        const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
-        const __m256i mn = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm));
+        __m256i sc, mn;
+        const __m128 dm = _mm_mul_ps(k45_head(b, &sc, &mn), _mm_set1_ps(ks[sb])); /* d * sx, dmin * sx */
         const uint8_t *qs = five ? b + 48 : b + 16;
         __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
         __m256i L0 = _mm256_setzero_si256(), L1 = _mm256_setzero_si256();
@@ -564,7 +564,8 @@ static inline __attribute__((always_inline)) float k45_row1(const uint8_t *row, 
 }
 
 /* One activation row against one Q6_K weight row: part_rows' chain (one exact integer S a
- * super-block, then one fp32 FMA), in a loop of its own as k45_row1, with four accumulators */
+ * super-block, then one fp32 FMA), in a loop of its own as k45_row1, the integer sums in four
+ * accumulators */
 static inline __attribute__((always_inline)) float q6k_row1(const uint8_t *row, long nsb, const int8_t *kq, const int16_t *kxs,
                                                             const float *ks, const char **pf) {
     const __m256i m15 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
@@ -588,10 +589,10 @@ static inline __attribute__((always_inline)) float q6k_row1(const uint8_t *row, 
                 P[cc] = dot_ws(P[cc], _mm256_maddubs_epi16(u[cc], _mm256_loadu_si256((const __m256i *)(x + 128 * h + 32 * cc))),
                                pick16(sh, 2 * cc, 2 * cc + 1));
         }
-        const __m256i L = _mm256_sub_epi32(sum_acc(P, 4), _mm256_slli_epi32(_mm256_madd_epi16(sc,
+        const __m256i S = _mm256_add_epi32(_mm256_add_epi32(P[0], P[1]), _mm256_add_epi32(P[2], P[3]));
+        const __m256i L = _mm256_sub_epi32(S, _mm256_slli_epi32(_mm256_madd_epi16(sc,
             _mm256_loadu_si256((const __m256i *)(kxs + 16 * sb))), 5));
-        acc = fmaf(_mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(row[sb * 210 + 208] | row[sb * 210 + 209] << 8))) * ks[sb],
-                   (float)hsum_i(L), acc);
+        acc = fmaf(gh2f(b + 208) * ks[sb], (float)hsum_i(L), acc);
     }
     return acc;
 }
@@ -683,17 +684,12 @@ static inline __attribute__((always_inline)) void part_rows(const gg_job *j, con
         for (int r = 0; r < mr; r++) { acc[r] = 0.0f; accv[r] = mtv[r] = _mm256_setzero_ps(); }
         const __m256i m15 = _mm256_set1_epi8(15);
         const long sbytes = p->row_bytes / (C / 8); /* a super-block's */
-        const int NA = mr == 1 ? 4 : mr <= 3 ? 2 : 1; /* accumulators a row (below) */
         for (long sb = 0; sb < C / 8; sb++) {
             GG_STREAM(pf, row + (sb + 1) * sbytes);
             const int8_t *x = kq + 256 * sb;   /* row r: x + r * K */
             const int16_t *xs = kxs + 16 * sb; /* row r: xs + r * (K / 16) */
-            /* a row's integer sums in NA independent accumulators, added at the end of the
-             * super-block: exact integers in any order, and one row's chain of eight
-             * VPDPWSSD (each waiting on the last) was the one-row path's limit */
-            __m256i P[GG_ROWS][4], L[GG_ROWS];
-            for (int r = 0; r < mr; r++)
-                for (int a = 0; a < NA; a++) P[r][a] = _mm256_setzero_si256();
+            __m256i L[GG_ROWS];
+            for (int r = 0; r < mr; r++) L[r] = _mm256_setzero_si256();
             float d = 0.0f;
             if (p->type == T_IQ4_XS) {
                 const uint8_t *b = row + sb * 136;
@@ -705,7 +701,7 @@ static inline __attribute__((always_inline)) void part_rows(const gg_job *j, con
                     const __m256i av = _mm256_sign_epi8(v, v), scv = _mm256_set1_epi16((short)(ls - 32));
                     for (int r = 0; r < mr; r++) {
                         const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + r * K + 32 * ib));
-                        P[r][ib % NA] = dot_ws(P[r][ib % NA], _mm256_maddubs_epi16(av, _mm256_sign_epi8(xv, v)), scv);
+                        L[r] = dot_ws(L[r], _mm256_maddubs_epi16(av, _mm256_sign_epi8(xv, v)), scv);
                     }
                 }
             } else if (p->type == T_Q6_K) {
@@ -725,23 +721,19 @@ static inline __attribute__((always_inline)) void part_rows(const gg_job *j, con
                         const __m256i scv = pick16(sh[h], 2 * cc, 2 * cc + 1);
                         for (int r = 0; r < mr; r++) {
                             const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + r * K + 128 * h + 32 * cc));
-                            P[r][(4 * h + cc) % NA] = dot_ws(P[r][(4 * h + cc) % NA], _mm256_maddubs_epi16(u, xv), scv);
+                            L[r] = dot_ws(L[r], _mm256_maddubs_epi16(u, xv), scv);
                         }
                     }
                 }
                 /* the offset: S -= 32 * sum over groups of sc * xs */
                 for (int r = 0; r < mr; r++)
-                    L[r] = _mm256_sub_epi32(sum_acc(P[r], NA), _mm256_slli_epi32(_mm256_madd_epi16(sc,
+                    L[r] = _mm256_sub_epi32(L[r], _mm256_slli_epi32(_mm256_madd_epi16(sc,
                         _mm256_loadu_si256((const __m256i *)(xs + r * (K / 16)))), 5));
             } else {
                 const int five = p->type == T_Q5_K;
                 const uint8_t *b = row + sb * (five ? 176 : 144);
-                int dbits;
-                memcpy(&dbits, b, 4);
-                const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(dbits)); /* d, dmin */
-                const __m128i sm = k_scales6_v(b + 4); /* sc[8], m[8] */
-                const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
-                const __m256i mn = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm)); /* m0 m0 m1 m1 .. */
+                __m256i sc, mn;
+                const __m128 dd = k45_head(b, &sc, &mn); /* d, dmin */
                 const uint8_t *qs = five ? b + 48 : b + 16;
                 __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
                 for (int jj = 0; jj < 4; jj++) { /* chunks 2 jj (low nibbles) and 2 jj + 1 (high) */
@@ -755,12 +747,11 @@ static inline __attribute__((always_inline)) void part_rows(const gg_job *j, con
                     const __m256i slo = pick16(sc, 2 * jj, 2 * jj), shi = pick16(sc, 2 * jj + 1, 2 * jj + 1);
                     for (int r = 0; r < mr; r++) {
                         const int8_t *xr = x + r * K + 64 * jj;
-                        P[r][(2 * jj) % NA] = dot_ws(P[r][(2 * jj) % NA], _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xr)), slo);
-                        P[r][(2 * jj + 1) % NA] = dot_ws(P[r][(2 * jj + 1) % NA], _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xr + 32))), shi);
+                        L[r] = dot_ws(L[r], _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xr)), slo);
+                        L[r] = dot_ws(L[r], _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xr + 32))), shi);
                     }
                 }
                 for (int r = 0; r < mr; r++) { /* lane l: chunk l's min term */
-                    L[r] = sum_acc(P[r], NA);
                     const __m256i ml = _mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i *)(xs + r * (K / 16))));
                     const __m128 dm = _mm_mul_ps(dd, _mm_set1_ps(ks[r * (C / 8) + sb])); /* d * sx, dmin * sx */
                     accv[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(dm), _mm256_cvtepi32_ps(L[r]), accv[r]);
@@ -768,8 +759,6 @@ static inline __attribute__((always_inline)) void part_rows(const gg_job *j, con
                 }
                 continue;
             }
-            if (p->type == T_IQ4_XS)
-                for (int r = 0; r < mr; r++) L[r] = sum_acc(P[r], NA);
             for (int r = 0; r < mr; r++) acc[r] = fmaf(d * ks[r * (C / 8) + sb], (float)hsum_i(L[r]), acc[r]);
         }
         for (int r = 0; r < mr; r++)
