@@ -5,7 +5,7 @@ Primitives (what drafting and verification are built from):
   run_layers(h, start, end, pos)  -> h after layers start..end-1, KV written at pos..pos+T-1
   logits(h, head=None)            -> [T, V] (or [T, N] through a restricted draft head)
   argmax(h)                       -> the full head's argmax token per row (greedy; no [T, V] rows)
-  step_token(tokens, pos, end)    -> embed, run_layers, logits and their argmaxes in one C call (drafting)
+  step_token(tokens, pos, end)    -> embed, run_layers, logits and their argmaxes (or the logits) in one C call
 Sub-layers can be skipped per call (`skip_attn`, `skip_mlp`: the residual passes through).
 
 Tensors carry no batch dimension. Several sequences go through one pass with
@@ -360,10 +360,10 @@ class Runtime:
                 *[(i in skip_attn) | 2 * (i in skip_mlp) for i in range(self.num_layers)])
         return windows, kinds, skip
 
-    def step_token(self, tokens: list[int], pos: int, cache: KVCache, end: int, head=None,
-                   skip_attn: frozenset[int] = frozenset(), skip_mlp: frozenset[int] = frozenset()) -> list[int] | None:
-        """logits(run_layers(embed(tokens), 0, end, pos, cache, skip_attn, skip_mlp), head).argmax(-1).tolist()
-        in one C call (kernels.StepArgmax); None where the fused blocks do not run."""
+    def step_token(self, tokens: list[int], pos: int, cache: KVCache, end: int, head=None, skip_attn: frozenset[int] = frozenset(),
+                   skip_mlp: frozenset[int] = frozenset(), logits: bool = False) -> list[int] | torch.Tensor | None:
+        """logits(run_layers(embed(tokens), 0, end, pos, cache, skip_attn, skip_mlp), head).argmax(-1).tolist() in one
+        C call (kernels.StepArgmax), or with `logits` those logits [T, N]; None where the fused blocks do not run."""
         if self.blocks is None or pos + len(tokens) > self._rope_len:
             return None
         if self._step is None:
@@ -371,7 +371,7 @@ class Runtime:
             self._step = kernels.StepArgmax(self.blocks, self.head if self.embed_weight is None else self.embed_weight,
                                             self._embed_scale, self.final_norm, s.rms_norm_eps, s.final_logit_softcap)
         return self._step.run(tokens, segment_row(cache, pos, len(tokens)), end, self._layer_arrays(skip_attn, skip_mlp),
-                              kernels.rope_rows(self._rope.values(), pos), self.head if head is None else head)
+                              kernels.rope_rows(self._rope.values(), pos), self.head if head is None else head, logits)
 
     def _fused_layers(self, h: torch.Tensor, start: int, end: int, segs_ptr: int, nseg: int, rope: tuple,
                       skip_attn: frozenset[int], skip_mlp: frozenset[int], capture: dict | None = None) -> None:

@@ -168,9 +168,11 @@ def test_a_guessed_draft_is_the_draft(model, draft, temperature, monkeypatch):
             assert n == 1 < passes
 
 
-def test_greedy_drafts_are_the_same_in_one_call(model, monkeypatch):
-    """Greedy drafting without a guess takes Runtime.step_token (one C call a token); with it
-    forced off (the primitives, token by token) the drafts, acceptance and output are the same."""
+@pytest.mark.parametrize("sampling", [{}, dict(temperature=0.8, top_p=0.95, seed=4), dict(temperature=1.0, seed=2)])
+def test_drafts_are_the_same_in_one_call(model, monkeypatch, sampling):
+    """Drafting takes Runtime.step_token (one C call a pass: the argmaxes in greedy decoding, the
+    logits when sampling); with it forced off (the primitives, token by token) the drafts,
+    acceptance and output are the same."""
     p = prompts(n=1, vocab=model.spec.vocab_size, lengths=(16,), seed=9)[0]
     cfgs = [dict(strategy="quantized", num_speculations=5, draft_vocab=64), dict(strategy="quantized", num_speculations=4),
             dict(strategy="layer-skip", skip_mlp=(1,), num_speculations=4)]
@@ -180,11 +182,12 @@ def test_greedy_drafts_are_the_same_in_one_call(model, monkeypatch):
         rt = model.drafter(d).draft_rt
         step = rt.step_token
         monkeypatch.setattr(rt, "step_token", lambda *a, **kw: (calls.append(1), step(*a, **kw))[1])
-        one = model.generate(p, max_new_tokens=40, draft=d)
+        one = model.generate(p, max_new_tokens=40, draft=d, **sampling)
         monkeypatch.setattr(rt, "step_token", lambda *a, **kw: None)
-        primitives = model.generate(p, max_new_tokens=40, draft=d)
+        primitives = model.generate(p, max_new_tokens=40, draft=d, **sampling)
         monkeypatch.undo()
-        assert one.token_ids == primitives.token_ids == ar_generate(model, p, max_new_tokens=40).token_ids, cfg
+        plain = model.generate(p, max_new_tokens=40, strategy="autoregressive", **sampling)
+        assert one.token_ids == primitives.token_ids == plain.token_ids, cfg
         assert one.stats.per_position_accepted == primitives.stats.per_position_accepted and one.stats.drafted > 0, cfg
     assert len(calls) > 20
 

@@ -401,9 +401,9 @@ def test_default_dtype_is_bfloat16_wherever_the_kernels_run(monkeypatch):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_step_token_is_the_primitives_argmax(variant, dtype):
     """Runtime.step_token (one C call) is embed -> run_layers -> logits -> argmax through the
-    primitives: the same tokens and the same keys/values written, for one row and several, the
-    full head, a restricted head (prepared, and int8), a quantized copy of the layers, an early
-    exit and skipped sub-layers."""
+    primitives: the same tokens (with logits=True the same logits, bit for bit) and the same
+    keys/values written, for one row and several, the full head, a restricted head (prepared,
+    and int8), a quantized copy of the layers, an early exit and skipped sub-layers."""
     from selfspec.quant import quantize_columns
 
     arch, kw = VARIANTS[variant]
@@ -420,19 +420,23 @@ def test_step_token_is_the_primitives_argmax(variant, dtype):
     with torch.inference_mode():
         for r, name, end, skip_attn, skip_mlp in cases:
             head, sa, sm = heads[name], frozenset(skip_attn), frozenset(skip_mlp)
-            one, ref = rt.new_cache(48), rt.new_cache(48)
-            for c in (one, ref):
+            one, ref, rows = rt.new_cache(48), rt.new_cache(48), rt.new_cache(48)
+            for c in (one, ref, rows):
                 rt.forward(torch.tensor(p), 0, c)
             ids, pos = [p[-1]], len(p)
             for j in range(8):  # 1 row, then 3, alternately
                 got = r.step_token(ids, pos, one, end, head, sa, sm)
+                got_logits = r.step_token(ids, pos, rows, end, head, sa, sm, logits=True)
                 h = r.run_layers(r.embed(torch.tensor(ids)), 0, end, pos, ref, sa, sm)
-                want = r.logits(h, head=head).argmax(-1).tolist()
+                logits = r.logits(h, head=head)
+                want = logits.argmax(-1).tolist()
                 assert got == want, (variant, name, end, j)
+                assert torch.equal(got_logits, logits), (variant, name, end, j)
                 toks = want if head is None else vocab[want].tolist()
                 pos += len(ids)
                 ids = toks[-1:] if j % 2 else [toks[-1], (toks[-1] * 7 + 1) % m.spec.vocab_size, 5]
-            assert torch.equal(one.kt, ref.kt) and torch.equal(one.v, ref.v), (variant, name)
+            for c in (one, rows):
+                assert torch.equal(c.kt, ref.kt) and torch.equal(c.v, ref.v), (variant, name)
 
 
 @pytest.mark.parametrize("arch,rope", [(a, None) for a in ARCHS] + [

@@ -44,18 +44,23 @@ class LayerSkipDrafter(TokenDrafter):
         guess's keys and values; the next pass (or verification) overwrites them: the cache is
         indexed by position."""
         rt, d = self.draft_rt, Draft()
-        one_call = step.sampling.greedy and self.threshold is None and not step.drafts_processed  # argmaxes only: Runtime.step_token
+        # one C call a pass (Runtime.step_token): the argmaxes alone where they are all a token
+        # needs, else the logits; None where the fused blocks do not run (the primitives then)
+        argmaxes = step.sampling.greedy and self.threshold is None and not step.drafts_processed
+        fused = True
         while len(d.tokens) < step.k:
             j = len(d.tokens)
             g = guess(d.tokens)[: step.k - j - 1] if guess is not None else []
             ids = [(d.tokens or step.tokens)[-1], *g]
-            picks = rt.step_token(ids, step.pos + j, step.cache, self.exit, self.draft_head, self.skip_attn,
-                                  self.skip_mlp) if one_call else None
-            if picks is None:
-                one_call = False
+            out = rt.step_token(ids, step.pos + j, step.cache, self.exit, self.draft_head, self.skip_attn,
+                                self.skip_mlp, logits=not argmaxes) if fused else None
+            fused = out is not None
+            picks = out if argmaxes else None
+            logits = out if fused and not argmaxes else None  # row i: the draft's choice after ids[: i + 1]
+            if not fused:
                 h = rt.embed(torch.tensor(ids, device=rt.device))
                 h = rt.run_layers(h, 0, self.exit, step.pos + j, step.cache, self.skip_attn, self.skip_mlp)
-                logits = rt.logits(h, head=self.draft_head)  # row i: the draft's choice after ids[: i + 1]
+                logits = rt.logits(h, head=self.draft_head)
             for i in range(len(ids)):
                 if not (self._take(picks[i], d) if picks is not None else self._choose(logits[i], step, d)):
                     return d

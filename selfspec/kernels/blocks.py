@@ -139,10 +139,11 @@ class StepArgmax:
                                        torch.empty(r, n, dtype=torch.float32), torch.empty(r, dtype=torch.long))
         return bufs
 
-    def run(self, tokens: list[int], seg: list[int], end: int, arrays, rope, head) -> list[int]:
+    def run(self, tokens: list[int], seg: list[int], end: int, arrays, rope, head, logits: bool = False) -> list[int] | torch.Tensor:
         """seg: cache.segment_row's 8 numbers; arrays: Runtime._layer_arrays' (windows, rope
         kinds, skip flags); rope: rope_rows' (cos, sin) at the first token's position; head:
-        [H, N], anything matmul takes."""
+        [H, N], anything matmul takes. -> the rows' argmaxes, or with `logits` the fp32 logits
+        [T, N] themselves (a copy: the scratch is the next call's)."""
         head = head if isinstance(head, (PackedWeight, QuantizedWeight)) else head.contiguous()
         hp, layout, _ = operand(head)
         T, n = len(tokens), head.shape[1]
@@ -155,7 +156,7 @@ class StepArgmax:
             self.cap, h.data_ptr(), xn.data_ptr(), y.data_ptr(), yf.data_ptr(), out.data_ptr(), threads())
         if rc:
             raise RuntimeError(f"kernels: step returned {rc}")
-        return out[:T].tolist()
+        return yf.view(-1)[: T * n].view(T, n).clone() if logits else out[:T].tolist()  # the C call's rows are N apart
 
 
 def norm_rows(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
