@@ -44,25 +44,24 @@ class LayerSkipDrafter(TokenDrafter):
         guess's keys and values; the next pass (or verification) overwrites them: the cache is
         indexed by position."""
         rt, d = self.draft_rt, Draft()
-        # one C call a pass (Runtime.step_token): the argmaxes alone where they are all a token
-        # needs, else the logits; None where the fused blocks do not run (the primitives then)
+        # one C call a pass (Runtime.step_token): the argmaxes where they are all a token needs,
+        # else the logits; None where the fused blocks do not run (the primitives from then on)
         argmaxes = step.sampling.greedy and self.threshold is None and not step.drafts_processed
         fused = True
         while len(d.tokens) < step.k:
             j = len(d.tokens)
             g = guess(d.tokens)[: step.k - j - 1] if guess is not None else []
             ids = [(d.tokens or step.tokens)[-1], *g]
-            out = rt.step_token(ids, step.pos + j, step.cache, self.exit, self.draft_head, self.skip_attn,
-                                self.skip_mlp, logits=not argmaxes) if fused else None
-            fused = out is not None
-            picks = out if argmaxes else None
-            logits = out if fused and not argmaxes else None  # row i: the draft's choice after ids[: i + 1]
-            if not fused:
+            rows = rt.step_token(ids, step.pos + j, step.cache, self.exit, self.draft_head, self.skip_attn,
+                                 self.skip_mlp, logits=not argmaxes) if fused else None
+            if rows is None:
+                fused = False
                 h = rt.embed(torch.tensor(ids, device=rt.device))
                 h = rt.run_layers(h, 0, self.exit, step.pos + j, step.cache, self.skip_attn, self.skip_mlp)
-                logits = rt.logits(h, head=self.draft_head)
+                rows = rt.logits(h, head=self.draft_head)
+            picked = fused and argmaxes  # row i: the draft's choice (or its logits) after ids[: i + 1]
             for i in range(len(ids)):
-                if not (self._take(picks[i], d) if picks is not None else self._choose(logits[i], step, d)):
+                if not (self._take(rows[i], d) if picked else self._choose(rows[i], step, d)):
                     return d
                 if i == len(g) or d.tokens[-1] != g[i]:  # the next row's input is not the draft's token
                     break
