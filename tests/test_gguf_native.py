@@ -94,15 +94,17 @@ def test_activation_quantization_edge_cases_match_the_scalar_definition(qtype, d
     assert torch.equal(kernels.matmul(x[1:2], w), y[1:2])  # and one row alone
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS, Q.F16, Q.BF16])
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS, Q.F16, Q.BF16])
 def test_rows_do_not_depend_on_how_many_are_computed(qtype):
     K = 256
     w = _weight(qtype, 300, K, seed=3)  # several threads' shares of N
-    x = torch.randn(40, K, generator=torch.Generator().manual_seed(2))  # more than one pass of 16 rows
+    x = torch.randn(40, K, generator=torch.Generator().manual_seed(2))  # several passes of up to 8 rows
     batch = kernels.matmul(x, w)
     one = torch.cat([kernels.matmul(x[i:i + 1], w) for i in range(40)])
     sixteen = torch.cat([kernels.matmul(x[i:i + 16], w) for i in range(0, 40, 16)])
     assert torch.equal(batch, one) and torch.equal(batch, sixteen)
+    for r in range(2, 10):  # every row count a pass compiles as a constant, and one over it
+        assert torch.equal(kernels.matmul(x[:r], w), batch[:r]), r
     assert torch.equal(batch, kernels.matmul(x, w, num_threads=1))
 
 

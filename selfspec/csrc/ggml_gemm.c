@@ -49,7 +49,8 @@ enum { T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_
 /* IQ4_NL / IQ4_XS: a nibble's value (llama.cpp's kvalues_iq4nl) */
 static const int8_t KV[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 #define GG_MAXPARTS 4
-#define GG_ROWS 16 /* rows per pass over the weights (more rows: several passes, same bits) */
+#define GG_ROWS 8 /* rows per pass over the weights (more rows: several passes, same bits); every count
+                     * 1..GG_ROWS is compiled with a constant, so the accumulators stay in registers */
 
 typedef struct { const uint8_t *data; long rows, row_bytes; int type, pad; } ss_gpart;
 typedef struct { long in_features, out_features; int nparts, pad; ss_gpart part[GG_MAXPARTS]; } ss_gweight;
@@ -801,7 +802,8 @@ static void gg_region(void *ctx, int tid, int nt) {
                     case 4: part_rows(j, p, g, a, b, m0, 4); break;
                     case 5: part_rows(j, p, g, a, b, m0, 5); break;
                     case 6: part_rows(j, p, g, a, b, m0, 6); break;
-                    default: part_rows(j, p, g, a, b, m0, mr);
+                    case 7: part_rows(j, p, g, a, b, m0, 7); break;
+                    default: part_rows(j, p, g, a, b, m0, GG_ROWS);
                     }
                 }
                 g += p->rows;
