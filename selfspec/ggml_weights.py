@@ -113,7 +113,8 @@ def weight_columns(rt: Runtime, i: int, name: str, n: int) -> torch.Tensor:
 
 def _blocks(sd: GGUFCheckpoint, names: list[str]) -> GGMLWeight:
     parts = [sd.blocks(n) for n in names]
-    return GGMLWeight(parts, sd.block_info(names[0]).shape[1])
+    # the products read a packed copy: the mapped pages it was made from need not stay (the peak)
+    return GGMLWeight(parts, sd.block_info(names[0]).shape[1], lambda i, a, b: sd.file.drop_pages(sd.block_info(names[i]), a, b))
 
 
 class GGMLRuntime(Runtime):

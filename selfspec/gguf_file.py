@@ -164,6 +164,18 @@ class GGUFFile:
             self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
         return self._map[info.offset : info.offset + info.nbytes].reshape(info.rows, info.row_bytes)
 
+    def drop_pages(self, info: TensorInfo, a: int = 0, b: int | None = None) -> None:
+        """Let the kernel take back the pages of rows a..b-1 of a tensor's mapping (all of it by
+        default) that this process holds: rows copied elsewhere (repacked) would count twice in
+        the peak. The views stay valid; what reads them later faults back in from the page cache."""
+        if self._map is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        page, b = mmap.PAGESIZE, info.rows if b is None else b
+        lo, hi = info.offset + a * info.row_bytes, info.offset + b * info.row_bytes
+        lo, hi = -(-lo // page) * page, hi // page * page  # whole pages inside the rows
+        if hi > lo:
+            self._map._mmap.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
     def read_rows(self, info: TensorInfo, a: int, b: int) -> np.ndarray:
         """Raw blocks of rows a..b-1: uint8 [b - a, row_bytes], a copy of its own."""
         rb = info.row_bytes

@@ -18,7 +18,7 @@ from gguf_files import random_blocks, write_gguf
 import selfspec
 from selfspec import kernels
 from selfspec.ggml_weights import GGMLRuntime
-from selfspec.kernels.ggml_gemm import QUANTIZED, TYPES, GGMLWeight, reference
+from selfspec.kernels.ggml_gemm import PACKED, QUANTIZED, TYPES, GGMLWeight, reference
 
 Q = gguf.GGMLQuantizationType
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs selfspec's kernels")
@@ -35,7 +35,8 @@ def _weight(qtype, rows: int, cols: int, seed: int) -> GGMLWeight:
 @pytest.mark.parametrize("qtype", sorted(TYPES, key=int))
 def test_block_matmul_matches_float64_and_its_scalar_chain(qtype):
     K = 512
-    w = _weight(qtype, 70, K, seed=int(qtype))
+    w = _weight(qtype, 72, K, seed=int(qtype))
+    assert w.packed == ([0] if qtype in PACKED else [])  # eight rows side by side: the same chain
     x = torch.randn(16, K, generator=torch.Generator().manual_seed(1))
     y = kernels.matmul(x, w)
     assert torch.equal(y, reference(x, w))  # the vector code is the documented chain, bit for bit
@@ -45,23 +46,27 @@ def test_block_matmul_matches_float64_and_its_scalar_chain(qtype):
     # bf16 activations and output: the same chain over the widened x, rounded once
     yb = kernels.matmul(x.bfloat16(), w)
     assert torch.equal(yb, reference(x.bfloat16().float(), w).bfloat16())
-    # one row has its own paths (two weight rows at a time, an odd one left): the same chain
+    # one row has its own paths (two weight rows at a time, an odd one left), and rows not a
+    # multiple of 8 are not packed: the same chain
     w = _weight(qtype, 71, K, seed=int(qtype) + 1)
+    assert w.packed == []
     assert torch.equal(kernels.matmul(x[:1], w), reference(x[:1], w))
+    assert torch.equal(kernels.matmul(x[:5], w), reference(x[:5], w))
 
 
 @pytest.mark.parametrize("qtype", sorted(QUANTIZED, key=int))
 @pytest.mark.parametrize("fill", [0xFF, 0x00, 0x80])
-def test_extreme_blocks_do_not_saturate(qtype, fill):
+@pytest.mark.parametrize("rows", [9, 16])  # 16: packed where the type is
+def test_extreme_blocks_do_not_saturate(qtype, fill, rows):
     """Every stored value at its largest (or smallest) magnitude, every scale byte alike, against
     activations at +-127 after quantization: the vector code's 16-bit pair sums and 32-bit
     super-block sums must hold them exactly (the scalar chain adds in plain int)."""
     K = 512
-    raw = np.full((9, K // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1]), fill, np.uint8)
-    ref = random_blocks(qtype, 9, K, seed=5)  # its fp16 scales only
+    raw = np.full((rows, K // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1]), fill, np.uint8)
+    ref = random_blocks(qtype, rows, K, seed=5)  # its fp16 scales only
     for off in {Q.Q4_1: (0, 2), Q.Q5_1: (0, 2), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}.get(qtype, (0,)):
-        blocks = raw.reshape(9, -1, GGML_QUANT_SIZES[qtype][1])
-        blocks[..., off:off + 2] = ref.reshape(9, -1, GGML_QUANT_SIZES[qtype][1])[..., off:off + 2]
+        blocks = raw.reshape(rows, -1, GGML_QUANT_SIZES[qtype][1])
+        blocks[..., off:off + 2] = ref.reshape(rows, -1, GGML_QUANT_SIZES[qtype][1])[..., off:off + 2]
     w = GGMLWeight([(raw, qtype)], K)
     sign = torch.ones(K)
     x = torch.stack([sign, -sign, sign * torch.tensor([1.0, -1.0]).repeat(K // 2)])
@@ -95,9 +100,10 @@ def test_activation_quantization_edge_cases_match_the_scalar_definition(qtype, d
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS, Q.F16, Q.BF16])
-def test_rows_do_not_depend_on_how_many_are_computed(qtype):
+@pytest.mark.parametrize("n", [300, 304])  # 304: packed where the type is
+def test_rows_do_not_depend_on_how_many_are_computed(qtype, n):
     K = 256
-    w = _weight(qtype, 300, K, seed=3)  # several threads' shares of N
+    w = _weight(qtype, n, K, seed=3)  # several threads' shares of N
     x = torch.randn(40, K, generator=torch.Generator().manual_seed(2))  # several passes of up to 8 rows
     batch = kernels.matmul(x, w)
     one = torch.cat([kernels.matmul(x[i:i + 1], w) for i in range(40)])
@@ -110,13 +116,17 @@ def test_rows_do_not_depend_on_how_many_are_computed(qtype):
 
 def test_mixed_parts_are_one_matrix_of_their_columns():
     K = 256
-    parts = [(random_blocks(q, n, K, seed=i), q) for i, (q, n) in enumerate(((Q.Q4_K, 64), (Q.Q6_K, 32), (Q.Q8_0, 32)))]
+    kinds = ((Q.Q4_K, 64), (Q.Q5_0, 32), (Q.Q8_0, 36))
+    parts = [(random_blocks(q, n, K, seed=i), q) for i, (q, n) in enumerate(kinds)]
     parts.append((_weight(Q.F16, 16, K, seed=5).parts[0][0], Q.F16))
-    fused = GGMLWeight(parts, K)
     x = torch.randn(5, K, generator=torch.Generator().manual_seed(4))
-    alone = torch.cat([kernels.matmul(x, GGMLWeight([p], K)) for p in parts], 1)
-    assert torch.equal(kernels.matmul(x, fused), alone)
-    ids = torch.tensor([0, 70, 127, 100, 3])
+    for ps, packed in ((parts, [1]), ([parts[2], parts[1]], [])):  # 36 rows, then rows from 36: as stored
+        fused = GGMLWeight(ps, K)
+        assert fused.packed == packed
+        alone = torch.cat([kernels.matmul(x, GGMLWeight([p], K)) for p in ps], 1)
+        assert torch.equal(kernels.matmul(x, fused), alone)
+    fused = GGMLWeight(parts, K)
+    ids = torch.tensor([0, 70, 127, 100, 3, 140])
     assert torch.equal(fused.rows(ids), fused.dequantize().t()[ids])
 
 

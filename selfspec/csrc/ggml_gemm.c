@@ -9,14 +9,17 @@
  *   sx[b] = amax |x[k]| / 127 (fp32; x bf16 or fp32 widened exactly)
  *   xq[k] = clamp(rne(x[k] * (1 / sx[b])), -127, 127) (NaN -> -127); sx == 0: xq = 0
  *   K-quants: xs[g] = sum of xq over the 16 values of group g (int16; the min and offset terms)
- * Q8_0, Q4_0, Q5_0: each 32-value block c is decoded to 32 int8 values v (the stored value minus
- * its offset) and multiplied into 8 int32 lanes, lane l the exact sum over bytes 4l..4l+3 of
- * v * xq (through |v| and sign(xq, v)); block by block, acc[l] = fmaf(d * sx[c], (float)lane[l], acc[l])
- * and y = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7)).
- * IQ4_NL: as Q4_0, v the nibble's entry of the non-linear table KV (int8).
+ * Q8_0, Q4_0, Q5_0, IQ4_NL (the "legacy" 32-value formats): each 32-value block c holds 32 int8
+ * values v (the stored value minus its offset; IQ4_NL: the nibble's entry of the non-linear table
+ * KV) and its fp16 scale d; S_c = sum over the block of v * xq (one exact integer) and, block by
+ * block, y = fmaf(d * sx[c], (float)S_c, y) from y = 0.
+ *   Stored as given, or packed (ss_gpart.packed, selfspec_ggml_pack): eight rows' blocks c side by
+ *   side, so that one lane of a vector is one row of W (below, "packed blocks"): the same bits.
  * IQ4_XS: as Q6_K (one integer S a super-block), sc = its 32-value chunk's 6-bit scale - 32, v = KV[nibble].
- * Q4_1, Q5_1 (value d v + m, v the unsigned 0..15 / 0..31): the same lanes of v * xq, and beside
- * them mt[l] = fmaf(m * sx[c], (float)(the lane's sum of xq), mt[l]); y = hsum(acc) + hsum(mt).
+ * Q4_1, Q5_1 (value d v + m, v the unsigned 0..15 / 0..31): 8 int32 lanes, lane l the exact sum
+ * over bytes 4l..4l+3 of v * xq; block by block acc[l] = fmaf(d * sx[c], (float)lane[l], acc[l]) and
+ * mt[l] = fmaf(m * sx[c], (float)(the lane's sum of xq), mt[l]); y = hsum(acc) + hsum(mt), hsum(a) =
+ * ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)).
  * K-quants, super-block sb (256 values, activation block sb) by super-block, its products
  * summed in exact integers and then scaled once (sc: Q4_K / Q5_K the 6-bit scale of the value's
  * 32-value chunk s, v the unsigned 0..15 / 0..31, m[s] its 6-bit min; Q6_K the int8 scale of
@@ -52,7 +55,7 @@ static const int8_t KV[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 2
 #define GG_ROWS 8 /* rows per pass over the weights (more rows: several passes, same bits); every count
                      * 1..GG_ROWS is compiled with a constant, so the accumulators stay in registers */
 
-typedef struct { const uint8_t *data; long rows, row_bytes; int type, pad; } ss_gpart;
+typedef struct { const uint8_t *data; long rows, row_bytes; int type, packed; } ss_gpart; /* packed: selfspec_ggml_pack's layout */
 typedef struct { long in_features, out_features; int nparts, pad; ss_gpart part[GG_MAXPARTS]; } ss_gweight;
 
 static inline float gh2f(const uint8_t *p) {
@@ -126,7 +129,7 @@ static inline __m128i k_scales6_v(const uint8_t *s) {
 /* the rows' two quantizations (each made only where a part of the weight needs it): per 32
  * values (xq [M, K], sx [M, K / 32]) for the 32-value formats, per 256 (kq [M, K], ks [M, K / 256],
  * kxs [M, K / 16]) for the K-quants */
-typedef struct { int8_t *xq, *kq; float *sx, *ks; int16_t *kxs; } gg_act;
+typedef struct { int8_t *xq, *kq; float *sx, *ks; int16_t *kxs; int32_t *xsum; } gg_act; /* xsum [M, K / 32]: sum of xq a block */
 
 /* values i0 .. i0 + B - 1 of x as one activation block: xq[B] and *sx (the definition) */
 static void quantize_block(const void *x, int x_bf16, long i0, int B, int8_t *xq, float *sx) {
@@ -298,6 +301,7 @@ static inline float hsum8(const float *a) {
     return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
 }
 
+static inline int is_legacy(int type) { return type == T_Q8_0 || type == T_Q4_0 || type == T_Q5_0 || type == T_IQ4_NL; }
 static inline int is_k(int type) { return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K || type == T_IQ4_XS; }
 static inline int one_sum(int type) { return type == T_Q6_K || type == T_IQ4_XS; } /* one integer S a super-block */
 static inline int is_float(int type) { return type == T_F16 || type == T_BF16; }
@@ -330,6 +334,12 @@ static float dot_ref(int type, const uint8_t *row, long K, const int8_t *xq, con
     float d, dmin;
     for (long c = 0; c < K / 32; c++) {
         decode_chunk(type, row, c, v, lsc, &d, &dmin, &mi);
+        if (is_legacy(type)) {
+            int sc = 0;
+            for (int i = 0; i < 32; i++) sc += (int)v[i] * (int)xq[32 * c + i];
+            a = fmaf(d * sx[c], (float)sc, a);
+            continue;
+        }
         for (int l = 0; l < 8; l++) {
             int s = 0;
             for (int i = 0; i < 4; i++) s += (int)v[4 * l + i] * (int)xq[32 * c + 4 * l + i];
@@ -354,7 +364,7 @@ static float dot_ref(int type, const uint8_t *row, long K, const int8_t *xq, con
             }
         }
     }
-    return one_sum(type) ? a : is_k(type) ? hsum8(acc) - hsum8(mt) : has_min(type) ? hsum8(acc) + hsum8(mt) : hsum8(acc);
+    return one_sum(type) || is_legacy(type) ? a : is_k(type) ? hsum8(acc) - hsum8(mt) : has_min(type) ? hsum8(acc) + hsum8(mt) : hsum8(acc);
 }
 
 /* ---- the vector chain ---------------------------------------------------------------------- */
@@ -466,7 +476,8 @@ static inline __m256 scale8(const uint8_t *b) {
 typedef struct {
     const ss_gweight *w;
     long M, K;
-    const int8_t *xq, *kq; /* activations per 32 values (xq, sx) and per 256 (kq, ks; kxs per 16) */
+    const int8_t *xq, *kq; /* activations per 32 values (xq, sx; xsum) and per 256 (kq, ks; kxs per 16) */
+    const int32_t *xsum;
     const float *sx, *ks;
     const int16_t *kxs;
     const void *x; /* the activations as given (F16 / BF16 rows multiply them unquantized) */
@@ -598,6 +609,112 @@ static inline __attribute__((always_inline)) float q6k_row1(const uint8_t *row, 
     return acc;
 }
 
+/* ---- packed blocks ----------------------------------------------------------------------
+ * A legacy part of rows % 8 == 0, packed (selfspec_ggml_pack): group G = rows 8G..8G+7, its
+ * block c one packed block of 8 times the stored bytes, at (G * C + c) * 8 * bytes:
+ *   16 bytes: the eight rows' fp16 scales d, row i at 2i;
+ *   the values as unsigned bytes u = v + o (o: Q4_0 8, Q5_0 16, Q8_0 and IQ4_NL 128), in eight
+ *   32-byte vectors U[q] (q = 0..7: the block's values 4q..4q+3), byte 4i + t = row i's value 4q + t:
+ *     Q8_0: the eight U[q], 256 bytes;
+ *     Q4_0, IQ4_NL: four 32-byte vectors of nibbles, vector h's low nibbles U[2h], high U[2h + 1]
+ *       (IQ4_NL: the nibble indexes KV; u = KV + 128); Q5_0: those nibbles, the low four bits of u,
+ *       then eight 32-bit masks, mask q's bit 4i + t the fifth bit of U[q]'s byte 4i + t.
+ * Then one VPDPBUSD of U[q] with the row's four activations at 4q broadcast gives eight columns'
+ * partial sums at once; starting from -o sum(xq) over the block, the eight lanes end as the blocks'
+ * S_c (exact), and y's eight lanes take the chain's FMA together: the same bits as one column alone. */
+#define GG_PACK 8
+
+static inline int legacy_bytes(int type) { return type == T_Q8_0 ? 34 : type == T_Q5_0 ? 22 : 18; }
+static inline int legacy_offset(int type) { return type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : 128; }
+
+/* U[0..7] of a packed block (after its 16 bytes of scales) */
+static inline void packed_values(int type, const uint8_t *q, __m256i *U) {
+    if (type == T_Q8_0) {
+        for (int i = 0; i < 8; i++) U[i] = _mm256_loadu_si256((const __m256i *)(q + 32 * i));
+        return;
+    }
+    const __m256i m15 = _mm256_set1_epi8(15);
+    for (int h = 0; h < 4; h++) {
+        const __m256i b = _mm256_loadu_si256((const __m256i *)(q + 32 * h));
+        U[2 * h] = _mm256_and_si256(b, m15);
+        U[2 * h + 1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), m15);
+    }
+    if (type == T_IQ4_NL) {
+        const __m256i kv = _mm256_add_epi8(kv_table(), _mm256_set1_epi8((char)0x80));
+        for (int i = 0; i < 8; i++) U[i] = _mm256_shuffle_epi8(kv, U[i]);
+    } else if (type == T_Q5_0) {
+        uint32_t hb[8];
+        memcpy(hb, q + 128, 32);
+        for (int i = 0; i < 8; i++) U[i] = _mm256_or_si256(U[i], _mm256_and_si256(bits_to_bytes(hb[i]), _mm256_set1_epi8(16)));
+    }
+}
+
+/* eight int32 lanes += the four-byte dot products of u (unsigned) and s (signed), exact: VPDPBUSD,
+ * or without VNNI VPMADDUBSW + VPMADDWD (exact where 2 * 255 * |s| < 2^15, the caller's care) */
+static inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+#define GG_VNNI 1
+#else
+#define GG_VNNI 0
+#endif
+
+static inline void put8(const gg_job *j, long m, long col, __m256 v) {
+    const long at = m * j->w->out_features + col;
+    if (j->y_bf16) {
+        float f[8];
+        _mm256_storeu_ps(f, v);
+        for (int i = 0; i < 8; i++) ((uint16_t *)j->y)[at + i] = gf2bf16(f[i]);
+    } else {
+        _mm256_storeu_ps((float *)j->y + at, v);
+    }
+}
+
+/* rows n0..n1-1 (multiples of 8) of a packed part for activation rows m0..m0+mr-1 */
+static inline __attribute__((always_inline)) void packed_rows(const gg_job *j, const ss_gpart *p, long g, long n0, long n1, long m0, int mr) {
+    const long K = j->K, C = K / 32, pb = 8L * legacy_bytes(p->type);
+    const int8_t *xq = j->xq + m0 * K;
+    const float *sx = j->sx + m0 * C;
+    const int32_t *xsum = j->xsum + m0 * C;
+    const int o = legacy_offset(p->type);
+    /* without VNNI, u up to 255 would saturate VPMADDUBSW: Q8_0 / IQ4_NL multiply |v| by sign(x, v) */
+    const int signed_path = !GG_VNNI && o == 128;
+    for (long n = n0; n < n1; n += GG_PACK) {
+        const uint8_t *blk = p->data + (n / GG_PACK) * C * pb;
+        const char *pf = (const char *)blk + GG_PF_BYTES;
+        __m256 acc[GG_ROWS];
+        for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_ps();
+        for (long c = 0; c < C; c++, blk += pb) {
+            GG_STREAM(pf, blk + pb);
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+            __m256i U[8];
+            packed_values(p->type, blk + 16, U);
+            if (signed_path)
+                for (int i = 0; i < 8; i++) U[i] = _mm256_xor_si256(U[i], _mm256_set1_epi8((char)0x80)); /* v itself */
+            for (int r = 0; r < mr; r++) {
+                const int8_t *x = xq + r * K + 32 * c;
+                __m256i S = _mm256_set1_epi32(signed_path ? 0 : -o * xsum[r * C + c]);
+                for (int i = 0; i < 8; i++) {
+                    int32_t x4;
+                    memcpy(&x4, x + 4 * i, 4);
+                    const __m256i xb = _mm256_set1_epi32(x4);
+                    S = signed_path ? dot4(S, _mm256_sign_epi8(U[i], U[i]), _mm256_sign_epi8(xb, U[i])) : dot4(S, U[i], xb);
+                }
+                acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(sx[r * C + c])), _mm256_cvtepi32_ps(S), acc[r]);
+            }
+        }
+        for (int r = 0; r < mr; r++) put8(j, m0 + r, g + n, acc[r]);
+    }
+}
+
 /* rows n0..n1-1 of part p (global column base g) for rows m0..m0+mr-1 (inlined: a one-row
  * call gets its own copy, its accumulator in a register) */
 static inline __attribute__((always_inline)) void part_rows(const gg_job *j, const ss_gpart *p, long g, long n0, long n1, long m0, int mr) {
@@ -608,24 +725,7 @@ static inline __attribute__((always_inline)) void part_rows(const gg_job *j, con
     const int16_t *kxs = j->kxs + m0 * (K / 16);
     long n = n0;
     const char *pf = GG_STREAM_AT(p, n0);
-    if (mr == 1 && (p->type == T_Q8_0 || p->type == T_Q4_0 || p->type == T_Q5_0 || p->type == T_IQ4_NL)) {
-        const int bytes = p->type == T_Q8_0 ? 34 : p->type == T_Q5_0 ? 22 : 18;
-        for (; n + 1 < n1; n += 2) {
-            const uint8_t *r0 = p->data + n * p->row_bytes, *r1 = r0 + p->row_bytes;
-            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-            for (long c = 0; c < C; c++) {
-                GG_STREAM(pf, r1 + (c + 1) * bytes);
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * c));
-                const __m256i v0 = legacy_values(p->type, r0 + c * bytes), v1 = legacy_values(p->type, r1 + c * bytes);
-                const __m256i s0 = dot_ss(v0, x), s1 = dot_ss(v1, x);
-                const __m256 xd = _mm256_broadcast_ss(sx + c); /* d * sx rounded once, as the scalar chain */
-                a0 = _mm256_fmadd_ps(_mm256_mul_ps(scale8(r0 + c * bytes), xd), _mm256_cvtepi32_ps(s0), a0);
-                a1 = _mm256_fmadd_ps(_mm256_mul_ps(scale8(r1 + c * bytes), xd), _mm256_cvtepi32_ps(s1), a1);
-            }
-            put(j, m0, g + n, hsum_v(a0));
-            put(j, m0, g + n + 1, hsum_v(a1));
-        }
-    }
+    if (p->packed) { packed_rows(j, p, g, n0, n1, m0, mr); return; }
     if (mr == 1 && (p->type == T_Q4_K || p->type == T_Q5_K || p->type == T_Q6_K)) {
         for (; n < n1; n++) {
             const uint8_t *row = p->data + n * p->row_bytes;
@@ -661,23 +761,22 @@ static inline __attribute__((always_inline)) void part_rows(const gg_job *j, con
             for (int r = 0; r < mr; r++) put(j, m0 + r, g + n, hsum_v(acc[r]) + hsum_v(mt[r]));
             continue;
         }
-        if (!is_k(p->type)) {
+        if (is_legacy(p->type)) { /* blocks as stored (a part not packed): one column at a time */
             const int bytes = p->type == T_Q8_0 ? 34 : p->type == T_Q5_0 ? 22 : 18;
-            __m256 acc[GG_ROWS];
-            for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_ps();
+            float acc[GG_ROWS];
+            for (int r = 0; r < mr; r++) acc[r] = 0.0f;
             for (long c = 0; c < C; c++) {
                 const uint8_t *b = row + c * bytes;
                 GG_STREAM(pf, b + bytes);
-                const __m256 d = scale8(b);
+                const float d = gh2f(b);
                 const __m256i v = legacy_values(p->type, b);
                 const __m256i av = _mm256_sign_epi8(v, v);
                 for (int r = 0; r < mr; r++) {
                     const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * K + 32 * c));
-                    const __m256i s = dot_us(av, _mm256_sign_epi8(x, v));
-                    acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_broadcast_ss(sx + r * C + c)), _mm256_cvtepi32_ps(s), acc[r]);
+                    acc[r] = fmaf(d * sx[r * C + c], (float)hsum_i(dot_us(av, _mm256_sign_epi8(x, v))), acc[r]);
                 }
             }
-            for (int r = 0; r < mr; r++) put(j, m0 + r, g + n, hsum_v(acc[r]));
+            for (int r = 0; r < mr; r++) put(j, m0 + r, g + n, acc[r]);
             continue;
         }
         float acc[GG_ROWS];                  /* Q6_K, IQ4_XS */
@@ -778,6 +877,7 @@ static long next_columns(long *next, long n, int nt, long *hi) {
         if (lo >= n) return lo;
         long c = (n - lo) / (2 * nt);
         if (c < GG_MIN_CHUNK) c = GG_MIN_CHUNK;
+        c = (c + GG_PACK - 1) / GG_PACK * GG_PACK; /* packed parts start at multiples of 8 (check) */
         const long h = lo + c < n ? lo + c : n;
         if (__atomic_compare_exchange_n(next, &lo, h, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) { *hi = h; return lo; }
     }
@@ -820,6 +920,7 @@ static int check(const ss_gweight *w) {
         int bytes;
         const int values = gg_block(w->part[q].type, &bytes);
         if (!values || w->in_features % values || w->part[q].row_bytes != w->in_features / values * bytes) return 2;
+        if (w->part[q].packed && (!is_legacy(w->part[q].type) || w->part[q].rows % 8 || n % 8)) return 2;
         n += w->part[q].rows;
     }
     return n == w->out_features ? 0 : 2;
@@ -835,7 +936,8 @@ static int quantize_all(long M, long K, const void *x, int x_bf16, const ss_gwei
     if (legacy) {
         a->xq = (int8_t *)malloc((size_t)(M * K));
         a->sx = (float *)malloc(sizeof(float) * (size_t)(M * C));
-        if (!a->xq || !a->sx) return 1;
+        a->xsum = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * C));
+        if (!a->xq || !a->sx || !a->xsum) return 1;
     }
     if (kquant) {
         a->kq = (int8_t *)malloc((size_t)(M * K));
@@ -848,10 +950,15 @@ static int quantize_all(long M, long K, const void *x, int x_bf16, const ss_gwei
         if (legacy) quantize_row(xm, x_bf16, K, 32, a->xq + m * K, a->sx + m * C, NULL, vec);
         if (kquant) quantize_row(xm, x_bf16, K, 256, a->kq + m * K, a->ks + m * (K / 256), a->kxs + m * (K / 16), vec);
     }
+    for (long i = 0; legacy && i < M * C; i++) {
+        int sum = 0;
+        for (int k = 0; k < 32; k++) sum += a->xq[32 * i + k];
+        a->xsum[i] = sum;
+    }
     return 0;
 }
 
-static void free_act(gg_act *a) { free(a->xq); free(a->sx); free(a->kq); free(a->ks); free(a->kxs); }
+static void free_act(gg_act *a) { free(a->xq); free(a->sx); free(a->kq); free(a->ks); free(a->kxs); free(a->xsum); }
 
 /* activation row m of a for rows of `type`: its xq, sx and xs (dot_ref's arguments) */
 static void act_row(const gg_act *a, int type, long m, long K, const int8_t **xq, const float **sx, const int16_t **xs) {
@@ -869,7 +976,7 @@ int selfspec_ggemm(long M, const void *x, int x_bf16, const void *wd, void *y, i
     gg_act a = {0};
     if (quantize_all(M, w->in_features, x, x_bf16, w, &a, 1)) { free_act(&a); return 1; }
 #ifdef __AVX2__
-    gg_job j = {w, M, w->in_features, a.xq, a.kq, a.sx, a.ks, a.kxs, x, x_bf16, y, y_bf16, 0};
+    gg_job j = {w, M, w->in_features, a.xq, a.kq, a.xsum, a.sx, a.ks, a.kxs, x, x_bf16, y, y_bf16, 0};
     int nt = ss_threads(nthreads);
     const long work = w->out_features * w->in_features;
     if (work < (1L << 16)) nt = 1;
@@ -899,10 +1006,64 @@ int selfspec_ggemm(long M, const void *x, int x_bf16, const void *wd, void *y, i
     return 0;
 }
 
+/* rows [rows, row_bytes] of a legacy type as stored -> dst (as many bytes) in the packed layout
+ * (ggml_gemm's "packed blocks"; rows a..b of a part, a % 8 == 0, are its bytes a * row_bytes ..
+ * b * row_bytes, so a part can be packed a slice at a time). 0, or 2: not packable here (the type,
+ * rows % 8, no AVX2 build). Four bytes (four values of one row) at a time. */
+typedef struct { int type; const uint8_t *src; long rows, row_bytes, bytes; uint8_t *dst; } gg_pack_job;
+
+/* groups of eight rows, split over the threads (the copy's first touch: its pages fault in there) */
+static void pack_region(void *ctx, int tid, int nt) {
+    const gg_pack_job *p = (const gg_pack_job *)ctx;
+    const int type = p->type;
+    const long bytes = p->bytes, C = p->row_bytes / bytes;
+    long g0, g1;
+    ss_share(p->rows / 8, tid, nt, &g0, &g1);
+    for (long G = g0; G < g1; G++)
+        for (long c = 0; c < C; c++) {
+            uint8_t *o = p->dst + (G * C + c) * 8 * bytes;
+            uint32_t *q = (uint32_t *)(void *)(o + 16), hb[8] = {0};
+            for (int i = 0; i < 8; i++) {
+                const uint8_t *b = p->src + (8 * G + i) * p->row_bytes + c * bytes;
+                memcpy(o + 2 * i, b, 2);
+                uint32_t w[8]; /* row i's values 4k..4k+3 as unsigned u = v + offset (IQ4_NL: the nibbles) */
+                if (type == T_Q8_0) {
+                    memcpy(w, b + 2, 32);
+                    for (int k = 0; k < 8; k++) q[8 * k + i] = w[k] ^ 0x80808080u;
+                    continue;
+                }
+                uint32_t qs[4], qh = 0;
+                memcpy(qs, b + (type == T_Q5_0 ? 6 : 2), 16);
+                if (type == T_Q5_0) memcpy(&qh, b + 2, 4);
+                for (int k = 0; k < 4; k++) { w[k] = qs[k] & 0x0F0F0F0Fu; w[k + 4] = (qs[k] >> 4) & 0x0F0F0F0Fu; }
+                for (int h = 0; h < 4; h++) q[8 * h + i] = w[2 * h] | w[2 * h + 1] << 4; /* U[2h] low nibbles, U[2h+1] high */
+                for (int k = 0; k < 8; k++) hb[k] |= ((qh >> (4 * k)) & 15u) << (4 * i);
+            }
+            if (type == T_Q5_0) memcpy(o + 16 + 128, hb, 32);
+        }
+}
+
+int selfspec_ggml_pack(int type, const uint8_t *src, long rows, long row_bytes, uint8_t *dst) {
+#ifdef __AVX2__
+    const long bytes = is_legacy(type) ? legacy_bytes(type) : 0;
+    if (!bytes || rows <= 0 || rows % 8 || row_bytes % bytes) return 2;
+    gg_pack_job p = {type, src, rows, row_bytes, bytes, dst};
+    int nt = ss_threads(0);
+    if (nt > rows / 8) nt = (int)(rows / 8);
+    ss_parallel(nt < 1 ? 1 : nt, pack_region, &p);
+    return 0;
+#else
+    (void)type; (void)src; (void)rows; (void)row_bytes; (void)dst;
+    return 2;
+#endif
+}
+
 /* the scalar chain (fp32 x and y): the vector code must match it bit for bit; tests only */
 int selfspec_ggemm_ref(long M, const float *x, const void *wd, float *y) {
     const ss_gweight *w = (const ss_gweight *)wd;
     if (check(w)) return 2;
+    for (int q = 0; q < w->nparts; q++)
+        if (w->part[q].packed) return 2; /* the reference reads the blocks as stored */
     gg_act a = {0};
     if (quantize_all(M, w->in_features, x, 0, w, &a, 0)) { free_act(&a); return 1; }
     const long K = w->in_features, N = w->out_features;

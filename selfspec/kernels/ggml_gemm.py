@@ -5,6 +5,7 @@ GGMLWeight holds a matrix's rows of blocks, [out, in] as the file stores it, and
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -17,13 +18,15 @@ Q = GGMLQuantizationType
 # in % 32 == 0); F16 / BF16 rows multiply the activations unquantized
 QUANTIZED = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS})
 TYPES = QUANTIZED | {Q.F16, Q.BF16}
+PACKED = frozenset({Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.IQ4_NL})  # repacked eight rows side by side (csrc/ggml_gemm.c "packed blocks")
+PACK_ROWS = 2048  # rows packed at a time (a multiple of 8)
 MAX_PARTS = 4
 LAYOUT = 5  # selfspec_gemm's code for an ss_gweight
 
 
 class _Part(ctypes.Structure):  # ss_gpart
     _fields_ = [("data", ctypes.c_void_p), ("rows", ctypes.c_long), ("row_bytes", ctypes.c_long),
-                ("type", ctypes.c_int), ("pad", ctypes.c_int)]
+                ("type", ctypes.c_int), ("packed", ctypes.c_int)]
 
 
 class _Desc(ctypes.Structure):  # ss_gweight
@@ -42,11 +45,18 @@ def why_not(qtype, cols: int) -> str | None:
 
 class GGMLWeight:
     """A [in, out] weight as GGUF rows of blocks: parts [(uint8 [rows_i, row_bytes_i], qtype_i)],
-    stacked over out (the fused q|k|v of a layer may mix block types). Read-only."""
+    stacked over out (the fused q|k|v of a layer may mix block types). Read-only.
 
-    __slots__ = ("parts", "in_features", "out_features", "desc")
+    The products read a part of PACKED type in the packed layout (a copy of as many bytes, made
+    here, where the kernels run: eight rows side by side, the same bits); `parts` stays as given
+    (rows(), dequantize()), and `packed` lists the parts copied. release(i, a, b), where given, is
+    called once rows a..b-1 of part i are copied (PACK_ROWS at a time): the products never read
+    them, so a loader can drop their pages from memory before the next slice is read."""
 
-    def __init__(self, parts: list[tuple[np.ndarray, GGMLQuantizationType]], in_features: int):
+    __slots__ = ("parts", "in_features", "out_features", "desc", "stored", "packed", "_copies")
+
+    def __init__(self, parts: list[tuple[np.ndarray, GGMLQuantizationType]], in_features: int,
+                 release: Callable[[int, int, int], None] | None = None):
         if not 1 <= len(parts) <= MAX_PARTS:
             raise ValueError(f"GGMLWeight: 1 to {MAX_PARTS} parts, got {len(parts)}")
         self.parts, self.in_features = [], int(in_features)
@@ -63,6 +73,22 @@ class GGMLWeight:
             self.desc.part[i] = _Part(raw.ctypes.data, raw.shape[0], raw.shape[1], int(qtype), 0)
         self.out_features = sum(r.shape[0] for r, _ in self.parts)
         self.desc.out_features = self.out_features
+        self.stored = _Desc.from_buffer_copy(self.desc)  # the blocks as given (reference())
+        self.packed, self._copies = [], []
+        base = 0
+        for i, (raw, qtype) in enumerate(self.parts):
+            if qtype in PACKED and raw.shape[0] % 8 == 0 and base % 8 == 0 and (pack := _pack_fn()) is not None:
+                copy = np.empty_like(raw)
+                for a in range(0, raw.shape[0], PACK_ROWS):  # rows a.. of the copy are bytes a * row_bytes.. (C)
+                    b = min(a + PACK_ROWS, raw.shape[0])
+                    if pack(int(qtype), raw[a:b].ctypes.data, b - a, raw.shape[1], copy[a:b].ctypes.data):
+                        raise ValueError(f"GGMLWeight: part {i} cannot be packed")
+                    if release is not None:
+                        release(i, a, b)
+                self.desc.part[i] = _Part(copy.ctypes.data, raw.shape[0], raw.shape[1], int(qtype), 1)
+                self.packed.append(i)
+                self._copies.append(copy)
+            base += raw.shape[0]
 
     @property
     def shape(self) -> torch.Size:
@@ -109,6 +135,16 @@ class GGMLWeight:
         return f"GGMLWeight(shape={tuple(self.shape)}, types={self.qtypes})"
 
 
+def _pack_fn():
+    """csrc/ggml_gemm.c selfspec_ggml_pack, or None without the kernels."""
+    if build._load() is None:
+        return None
+    fn = build._blocks["dll"].selfspec_ggml_pack
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
+    return fn
+
+
 def operand(w: GGMLWeight) -> int:
     return ctypes.addressof(w.desc)
 
@@ -121,6 +157,6 @@ def reference(x: torch.Tensor, w: GGMLWeight) -> torch.Tensor:
     fn.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     x = x.float().contiguous()
     y = torch.empty(x.shape[0], w.out_features)
-    if fn(x.shape[0], x.data_ptr(), ctypes.addressof(w.desc), y.data_ptr()):
+    if fn(x.shape[0], x.data_ptr(), ctypes.addressof(w.stored), y.data_ptr()):
         raise ValueError("ggml_gemm.reference: malformed weight")
     return y
