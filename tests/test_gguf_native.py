@@ -120,7 +120,7 @@ def test_mixed_parts_are_one_matrix_of_their_columns():
     parts = [(random_blocks(q, n, K, seed=i), q) for i, (q, n) in enumerate(kinds)]
     parts.append((_weight(Q.F16, 16, K, seed=5).parts[0][0], Q.F16))
     x = torch.randn(5, K, generator=torch.Generator().manual_seed(4))
-    for ps, packed in ((parts, [1]), ([parts[2], parts[1]], [])):  # 36 rows, then rows from 36: as stored
+    for ps, packed in ((parts, [0, 1]), ([parts[2], parts[1]], [])):  # 36 rows, then rows from 36: as stored
         fused = GGMLWeight(ps, K)
         assert fused.packed == packed
         alone = torch.cat([kernels.matmul(x, GGMLWeight([p], K)) for p in ps], 1)

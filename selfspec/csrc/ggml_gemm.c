@@ -24,10 +24,10 @@
  * summed in exact integers and then scaled once (sc: Q4_K / Q5_K the 6-bit scale of the value's
  * 32-value chunk s, v the unsigned 0..15 / 0..31, m[s] its 6-bit min; Q6_K the int8 scale of
  * its 16 values, v the stored value minus 32):
- *   Q4_K, Q5_K, in 8 lanes: L[l] = sum over the super-block's chunks of sc * (sum over the chunk's
- *     bytes 4l..4l+3 of v * xq); ML[l] = m[l] * (the xs of chunk l's two groups);
- *     acc[l] = fmaf(d * sx[sb], (float)L[l], acc[l]), mt[l] = fmaf(dmin * sx[sb], (float)ML[l], mt[l]);
- *     y = hsum(acc) - hsum(mt), hsum as above
+ *   Q4_K, Q5_K, two integers: S = sum over the super-block's chunks s of sc[s] * (sum over the
+ *     chunk of v * xq), M = sum over s of m[s] * (the xs of chunk s's two groups);
+ *     acc = fmaf(d * sx[sb], (float)S, acc), mt = fmaf(dmin * sx[sb], (float)M, mt); y = acc - mt
+ *     (Q4_K packed as the legacy formats, eight rows side by side: "packed blocks" below)
  *   Q6_K, one integer: S = sum over the super-block of sc * v * xq; acc = fmaf(d * sx[sb], (float)S, acc); y = acc.
  * F16, BF16 (one value a "block": unquantized rows, as a file stores its full-precision matrices):
  *   no activation quantization; 32 fp32 lanes, lane l over k = 32 c + l, acc[l] = fmaf(w[k], x[k], acc[l])
@@ -302,6 +302,7 @@ static inline float hsum8(const float *a) {
 }
 
 static inline int is_legacy(int type) { return type == T_Q8_0 || type == T_Q4_0 || type == T_Q5_0 || type == T_IQ4_NL; }
+static inline int packable(int type) { return is_legacy(type) || type == T_Q4_K; } /* selfspec_ggml_pack's types */
 static inline int is_k(int type) { return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K || type == T_IQ4_XS; }
 static inline int one_sum(int type) { return type == T_Q6_K || type == T_IQ4_XS; } /* one integer S a super-block */
 static inline int is_float(int type) { return type == T_F16 || type == T_BF16; }
@@ -328,7 +329,7 @@ static float dot_float_ref(int type, const uint8_t *row, long K, const void *x, 
 /* the scalar chain for one row of W (type) and one activation row: xq, sx and xs of the
  * activation blocks that type multiplies (32 values, or 256 for the K-quants) */
 static float dot_ref(int type, const uint8_t *row, long K, const int8_t *xq, const float *sx, const int16_t *xs) {
-    float acc[8] = {0}, mt[8] = {0}, a = 0.0f;
+    float acc[8] = {0}, mt[8] = {0}, a = 0.0f, am = 0.0f;
     int8_t v[32];
     int lsc[8], L[8] = {0}, ML[8] = {0}, S = 0, mi;
     float d, dmin;
@@ -357,14 +358,13 @@ static float dot_ref(int type, const uint8_t *row, long K, const int8_t *xq, con
         if (c % 8 == 7) {
             const float f = d * sx[c / 8], fm = dmin * sx[c / 8];
             if (one_sum(type)) { a = fmaf(f, (float)S, a); S = 0; continue; }
-            for (int l = 0; l < 8; l++) {
-                acc[l] = fmaf(f, (float)L[l], acc[l]);
-                mt[l] = fmaf(fm, (float)ML[l], mt[l]);
-                L[l] = 0;
-            }
+            int S4 = 0, M4 = 0;
+            for (int l = 0; l < 8; l++) { S4 += L[l]; M4 += ML[l]; L[l] = 0; }
+            a = fmaf(f, (float)S4, a);
+            am = fmaf(fm, (float)M4, am);
         }
     }
-    return one_sum(type) || is_legacy(type) ? a : is_k(type) ? hsum8(acc) - hsum8(mt) : has_min(type) ? hsum8(acc) + hsum8(mt) : hsum8(acc);
+    return one_sum(type) || is_legacy(type) ? a : is_k(type) ? a - am : hsum8(acc) + hsum8(mt); /* Q4_1, Q5_1 */
 }
 
 /* ---- the vector chain ---------------------------------------------------------------------- */
@@ -538,15 +538,15 @@ static inline __m128 k45_head(const uint8_t *b, __m256i *sc, __m256i *mn) {
     return _mm_cvtph_ps(_mm_cvtsi32_si128(dbits));
 }
 
-/* One activation row against one Q4_K / Q5_K weight row (K / 256 super-blocks): the chain of
- * part_rows' general loop below (the same lanes, exact integers, the same fp32 FMAs in the same
- * order), in a loop of its own for the decode step's one-row products (autoregressive steps,
- * drafts): the integer sums in two accumulators, the scales unpacked in a vector. */
+/* One activation row against one Q4_K / Q5_K weight row (K / 256 super-blocks, not packed): the
+ * chain of part_rows' general loop below (exact integers, the same fp32 FMAs in the same order), in
+ * a loop of its own for one-row products: the integer sums in two accumulators, the scales
+ * unpacked in a vector. */
 static inline __attribute__((always_inline)) float k45_row1(const uint8_t *row, long nsb, int five, const int8_t *kq,
                                                             const int16_t *kxs, const float *ks, const char **pf) {
     const long sbytes = five ? 176 : 144;
     const __m256i m15 = _mm256_set1_epi8(15), b16 = _mm256_set1_epi8(16);
-    __m256 accv = _mm256_setzero_ps(), mtv = _mm256_setzero_ps();
+    float acc = 0.0f, mt = 0.0f;
     for (long sb = 0; sb < nsb; sb++) {
         const uint8_t *b = row + sb * sbytes;
         GG_STREAM(*pf, b + sbytes);
@@ -569,10 +569,10 @@ static inline __attribute__((always_inline)) float k45_row1(const uint8_t *row, 
                         pick16(sc, 2 * jj + 1, 2 * jj + 1));
         }
         const __m256i ml = _mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i *)(kxs + 16 * sb)));
-        accv = _mm256_fmadd_ps(_mm256_broadcastss_ps(dm), _mm256_cvtepi32_ps(_mm256_add_epi32(L0, L1)), accv);
-        mtv = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)), _mm256_cvtepi32_ps(ml), mtv);
+        acc = fmaf(_mm_cvtss_f32(dm), (float)hsum_i(_mm256_add_epi32(L0, L1)), acc);
+        mt = fmaf(_mm_cvtss_f32(_mm_movehdup_ps(dm)), (float)hsum_i(ml), mt);
     }
-    return hsum_v(accv) - hsum_v(mtv);
+    return acc - mt;
 }
 
 /* One activation row against one Q6_K weight row: part_rows' chain (one exact integer S a
@@ -621,7 +621,13 @@ static inline __attribute__((always_inline)) float q6k_row1(const uint8_t *row, 
  *       then eight 32-bit masks, mask q's bit 4i + t the fifth bit of U[q]'s byte 4i + t.
  * Then one VPDPBUSD of U[q] with the row's four activations at 4q broadcast gives eight columns'
  * partial sums at once; starting from -o sum(xq) over the block, the eight lanes end as the blocks'
- * S_c (exact), and y's eight lanes take the chain's FMA together: the same bits as one column alone. */
+ * S_c (exact), and y's eight lanes take the chain's FMA together: the same bits as one column alone.
+ * Q4_K (super-block sb of group G at (G * K / 256 + sb) * 8 * 144, as many bytes): the eight rows'
+ * d (16 bytes), dmin (16 bytes); their 6-bit scales sc[c][i] and mins m[c][i] (chunk c, row i) in
+ * 96 bytes: at 32 + 8c + i the low four bits of sc[c][i] (low nibble) and of m[c][i] (high); at
+ * 96 + 8c + i (c < 4) their top two bits, sc[c] in bits 0-1, m[c] 2-3, sc[c + 4] 4-5, m[c + 4] 6-7;
+ * then 32 vectors, vector v's word i the stored word v of row i's 128 bytes of nibbles (v = 8 jj
+ * + q: chunk 2 jj's values 4q..4q+3 in the low nibbles, chunk 2 jj + 1's in the high). */
 #define GG_PACK 8
 
 static inline int legacy_bytes(int type) { return type == T_Q8_0 ? 34 : type == T_Q5_0 ? 22 : 18; }
@@ -715,6 +721,74 @@ static inline __attribute__((always_inline)) void packed_rows(const gg_job *j, c
     }
 }
 
+/* rows n0..n1-1 (multiples of 8) of a packed Q4_K part for activation rows m0..m0+mr-1 */
+static inline __attribute__((always_inline)) void packed_q4k_rows(const gg_job *j, const ss_gpart *p, long g, long n0, long n1, long m0, int mr) {
+    const long K = j->K, NSB = K / 256, pb = 8L * 144;
+    const int8_t *kq = j->kq + m0 * K;
+    const float *ks = j->ks + m0 * NSB;
+    const int16_t *kxs = j->kxs + m0 * (K / 16);
+    const __m256i m15 = _mm256_set1_epi8(15), m48 = _mm256_set1_epi8(0x30);
+    for (long n = n0; n < n1; n += GG_PACK) {
+        const uint8_t *blk = p->data + (n / GG_PACK) * NSB * pb;
+        const char *pf = (const char *)blk + GG_PF_BYTES;
+        __m256 acc[GG_ROWS], mt[GG_ROWS];
+        for (int r = 0; r < mr; r++) acc[r] = mt[r] = _mm256_setzero_ps();
+        for (long sb = 0; sb < NSB; sb++, blk += pb) {
+            GG_STREAM(pf, blk + pb);
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+            const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+            /* the scales and mins as bytes [chunk][row of W]: sm[0..63] sc, sm[64..127] m */
+            uint8_t sm[128];
+            {
+                const __m256i n03 = _mm256_loadu_si256((const __m256i *)(blk + 32)), n47 = _mm256_loadu_si256((const __m256i *)(blk + 64));
+                const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 96));
+                _mm256_storeu_si256((__m256i *)sm, _mm256_or_si256(_mm256_and_si256(n03, m15), _mm256_and_si256(_mm256_slli_epi16(h, 4), m48)));
+                _mm256_storeu_si256((__m256i *)(sm + 32), _mm256_or_si256(_mm256_and_si256(n47, m15), _mm256_and_si256(h, m48)));
+                _mm256_storeu_si256((__m256i *)(sm + 64), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(n03, 4), m15),
+                                                                         _mm256_and_si256(_mm256_slli_epi16(h, 2), m48)));
+                _mm256_storeu_si256((__m256i *)(sm + 96), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(n47, 4), m15),
+                                                                         _mm256_and_si256(_mm256_srli_epi16(h, 2), m48)));
+            }
+            __m256i S[GG_ROWS];
+            for (int r = 0; r < mr; r++) S[r] = _mm256_setzero_si256();
+            for (int c = 0; c < 8; c++) {
+                const __m256i scv = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 8 * c)));
+                __m256i U[8]; /* chunk c, quad q: eight rows' four unsigned values */
+                for (int q = 0; q < 8; q++) {
+                    const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * (8 * (c / 2) + q)));
+                    U[q] = _mm256_and_si256(c % 2 ? _mm256_srli_epi16(w, 4) : w, m15);
+                }
+                for (int r = 0; r < mr; r++) {
+                    const int8_t *x = kq + r * K + 256 * sb + 32 * c;
+                    __m256i T = _mm256_setzero_si256();
+                    for (int q = 0; q < 8; q++) {
+                        int32_t x4;
+                        memcpy(&x4, x + 4 * q, 4);
+                        T = dot4(T, U[q], _mm256_set1_epi32(x4));
+                    }
+                    S[r] = _mm256_add_epi32(S[r], _mm256_mullo_epi32(T, scv));
+                }
+            }
+            __m256i mp[4]; /* int16 pairs (m of chunk 2k, of chunk 2k + 1) a row of W */
+            for (int k = 0; k < 4; k++)
+                mp[k] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(sm + 64 + 16 * k)),
+                                                               _mm_loadl_epi64((const __m128i *)(sm + 72 + 16 * k))));
+            for (int r = 0; r < mr; r++) {
+                const int16_t *xs = kxs + r * (K / 16) + 16 * sb;
+                __m256i M = _mm256_setzero_si256();
+                for (int k = 0; k < 4; k++) { /* the chunks' sums of xq as int16 pairs (|.| <= 32 * 127) */
+                    const uint32_t lo = (uint16_t)(xs[4 * k] + xs[4 * k + 1]), hi = (uint16_t)(xs[4 * k + 2] + xs[4 * k + 3]);
+                    M = dot_ws(M, mp[k], _mm256_set1_epi32((int)(lo | hi << 16)));
+                }
+                const __m256 f = _mm256_set1_ps(ks[r * NSB + sb]);
+                acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, f), _mm256_cvtepi32_ps(S[r]), acc[r]);
+                mt[r] = _mm256_fmadd_ps(_mm256_mul_ps(dmin, f), _mm256_cvtepi32_ps(M), mt[r]);
+            }
+        }
+        for (int r = 0; r < mr; r++) put8(j, m0 + r, g + n, _mm256_sub_ps(acc[r], mt[r]));
+    }
+}
+
 /* rows n0..n1-1 of part p (global column base g) for rows m0..m0+mr-1 (inlined: a one-row
  * call gets its own copy, its accumulator in a register) */
 static inline __attribute__((always_inline)) void part_rows(const gg_job *j, const ss_gpart *p, long g, long n0, long n1, long m0, int mr) {
@@ -725,7 +799,11 @@ static inline __attribute__((always_inline)) void part_rows(const gg_job *j, con
     const int16_t *kxs = j->kxs + m0 * (K / 16);
     long n = n0;
     const char *pf = GG_STREAM_AT(p, n0);
-    if (p->packed) { packed_rows(j, p, g, n0, n1, m0, mr); return; }
+    if (p->packed) {
+        if (p->type == T_Q4_K) packed_q4k_rows(j, p, g, n0, n1, m0, mr);
+        else packed_rows(j, p, g, n0, n1, m0, mr);
+        return;
+    }
     if (mr == 1 && (p->type == T_Q4_K || p->type == T_Q5_K || p->type == T_Q6_K)) {
         for (; n < n1; n++) {
             const uint8_t *row = p->data + n * p->row_bytes;
@@ -779,9 +857,8 @@ static inline __attribute__((always_inline)) void part_rows(const gg_job *j, con
             for (int r = 0; r < mr; r++) put(j, m0 + r, g + n, acc[r]);
             continue;
         }
-        float acc[GG_ROWS];                  /* Q6_K, IQ4_XS */
-        __m256 accv[GG_ROWS], mtv[GG_ROWS]; /* Q4_K, Q5_K: per lane, as the scalar chain */
-        for (int r = 0; r < mr; r++) { acc[r] = 0.0f; accv[r] = mtv[r] = _mm256_setzero_ps(); }
+        float acc[GG_ROWS], mtr[GG_ROWS]; /* mtr: Q4_K, Q5_K's min terms */
+        for (int r = 0; r < mr; r++) acc[r] = mtr[r] = 0.0f;
         const __m256i m15 = _mm256_set1_epi8(15);
         const long sbytes = p->row_bytes / (C / 8); /* a super-block's */
         for (long sb = 0; sb < C / 8; sb++) {
@@ -854,15 +931,15 @@ static inline __attribute__((always_inline)) void part_rows(const gg_job *j, con
                 for (int r = 0; r < mr; r++) { /* lane l: chunk l's min term */
                     const __m256i ml = _mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i *)(xs + r * (K / 16))));
                     const __m128 dm = _mm_mul_ps(dd, _mm_set1_ps(ks[r * (C / 8) + sb])); /* d * sx, dmin * sx */
-                    accv[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(dm), _mm256_cvtepi32_ps(L[r]), accv[r]);
-                    mtv[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)), _mm256_cvtepi32_ps(ml), mtv[r]);
+                    acc[r] = fmaf(_mm_cvtss_f32(dm), (float)hsum_i(L[r]), acc[r]);
+                    mtr[r] = fmaf(_mm_cvtss_f32(_mm_movehdup_ps(dm)), (float)hsum_i(ml), mtr[r]);
                 }
                 continue;
             }
             for (int r = 0; r < mr; r++) acc[r] = fmaf(d * ks[r * (C / 8) + sb], (float)hsum_i(L[r]), acc[r]);
         }
         for (int r = 0; r < mr; r++)
-            put(j, m0 + r, g + n, one_sum(p->type) ? acc[r] : hsum_v(accv[r]) - hsum_v(mtv[r]));
+            put(j, m0 + r, g + n, one_sum(p->type) ? acc[r] : acc[r] - mtr[r]);
     }
 }
 
@@ -920,7 +997,7 @@ static int check(const ss_gweight *w) {
         int bytes;
         const int values = gg_block(w->part[q].type, &bytes);
         if (!values || w->in_features % values || w->part[q].row_bytes != w->in_features / values * bytes) return 2;
-        if (w->part[q].packed && (!is_legacy(w->part[q].type) || w->part[q].rows % 8 || n % 8)) return 2;
+        if (w->part[q].packed && (!packable(w->part[q].type) || w->part[q].rows % 8 || n % 8)) return 2;
         n += w->part[q].rows;
     }
     return n == w->out_features ? 0 : 2;
@@ -1019,7 +1096,24 @@ static void pack_region(void *ctx, int tid, int nt) {
     const long bytes = p->bytes, C = p->row_bytes / bytes;
     long g0, g1;
     ss_share(p->rows / 8, tid, nt, &g0, &g1);
-    for (long G = g0; G < g1; G++)
+    for (long G = g0; G < g1 && type == T_Q4_K; G++)
+        for (long sb = 0; sb < C; sb++) { /* C: super-blocks here */
+            uint8_t *o = p->dst + (G * C + sb) * 8 * bytes;
+            memset(o + 96, 0, 32);
+            for (int i = 0; i < 8; i++) {
+                const uint8_t *b = p->src + (8 * G + i) * p->row_bytes + sb * bytes;
+                uint8_t sc[8], m[8];
+                k_scales6(b + 4, sc, m);
+                memcpy(o + 2 * i, b, 2);
+                memcpy(o + 16 + 2 * i, b + 2, 2);
+                for (int c = 0; c < 8; c++) {
+                    o[32 + 8 * c + i] = (uint8_t)((sc[c] & 15) | (m[c] & 15) << 4);
+                    o[96 + 8 * (c % 4) + i] |= (uint8_t)(((sc[c] >> 4) | (m[c] >> 4) << 2) << (4 * (c / 4)));
+                }
+                for (int v = 0; v < 32; v++) memcpy(o + 128 + 32 * v + 4 * i, b + 16 + 4 * v, 4);
+            }
+        }
+    for (long G = g0; G < g1 && type != T_Q4_K; G++)
         for (long c = 0; c < C; c++) {
             uint8_t *o = p->dst + (G * C + c) * 8 * bytes;
             uint32_t *q = (uint32_t *)(void *)(o + 16), hb[8] = {0};
@@ -1045,7 +1139,7 @@ static void pack_region(void *ctx, int tid, int nt) {
 
 int selfspec_ggml_pack(int type, const uint8_t *src, long rows, long row_bytes, uint8_t *dst) {
 #ifdef __AVX2__
-    const long bytes = is_legacy(type) ? legacy_bytes(type) : 0;
+    const long bytes = is_legacy(type) ? legacy_bytes(type) : type == T_Q4_K ? 144 : 0;
     if (!bytes || rows <= 0 || rows % 8 || row_bytes % bytes) return 2;
     gg_pack_job p = {type, src, rows, row_bytes, bytes, dst};
     int nt = ss_threads(0);
