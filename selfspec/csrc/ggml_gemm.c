@@ -707,13 +707,14 @@ static inline __attribute__((always_inline)) void packed_rows(const gg_job *j, c
                 for (int i = 0; i < 8; i++) U[i] = _mm256_xor_si256(U[i], _mm256_set1_epi8((char)0x80)); /* v itself */
             for (int r = 0; r < mr; r++) {
                 const int8_t *x = xq + r * K + 32 * c;
-                __m256i S = _mm256_set1_epi32(signed_path ? 0 : -o * xsum[r * C + c]);
-                for (int i = 0; i < 8; i++) {
+                __m256i Sp[2] = {_mm256_set1_epi32(signed_path ? 0 : -o * xsum[r * C + c]), _mm256_setzero_si256()};
+                for (int i = 0; i < 8; i++) { /* two chains of exact sums: half the latency of one row's block */
                     int32_t x4;
                     memcpy(&x4, x + 4 * i, 4);
                     const __m256i xb = _mm256_set1_epi32(x4);
-                    S = signed_path ? dot4(S, _mm256_sign_epi8(U[i], U[i]), _mm256_sign_epi8(xb, U[i])) : dot4(S, U[i], xb);
+                    Sp[i % 2] = signed_path ? dot4(Sp[i % 2], _mm256_sign_epi8(U[i], U[i]), _mm256_sign_epi8(xb, U[i])) : dot4(Sp[i % 2], U[i], xb);
                 }
+                const __m256i S = _mm256_add_epi32(Sp[0], Sp[1]);
                 acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(sx[r * C + c])), _mm256_cvtepi32_ps(S), acc[r]);
             }
         }
@@ -760,13 +761,13 @@ static inline __attribute__((always_inline)) void packed_q4k_rows(const gg_job *
                 }
                 for (int r = 0; r < mr; r++) {
                     const int8_t *x = kq + r * K + 256 * sb + 32 * c;
-                    __m256i T = _mm256_setzero_si256();
+                    __m256i T[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
                     for (int q = 0; q < 8; q++) {
                         int32_t x4;
                         memcpy(&x4, x + 4 * q, 4);
-                        T = dot4(T, U[q], _mm256_set1_epi32(x4));
+                        T[q % 2] = dot4(T[q % 2], U[q], _mm256_set1_epi32(x4));
                     }
-                    S[r] = _mm256_add_epi32(S[r], _mm256_mullo_epi32(T, scv));
+                    S[r] = _mm256_add_epi32(S[r], _mm256_mullo_epi32(_mm256_add_epi32(T[0], T[1]), scv));
                 }
             }
             __m256i mp[4]; /* int16 pairs (m of chunk 2k, of chunk 2k + 1) a row of W */
