@@ -29,6 +29,7 @@ from selfspec.architectures import ModelSpec
 from selfspec.errors import SelfSpecError
 from selfspec.gguf_file import GGUFFile, StringArray, TensorInfo
 from selfspec.kernels import ggml
+from selfspec.kernels.weights import release_freed
 
 # the file's general.architecture -> transformers' model_type
 ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
@@ -308,7 +309,9 @@ def load_tokenizer(path: Path, d: Path):
     which for a 262k vocabulary doubles the memory and the time of the load."""
     try:
         if (init := _cached_init(d)) is not None:  # the constructor: from_pretrained costs as much again
-            return PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"), **init)
+            tok = PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"), **init)
+            release_freed()  # its parse's heap, freed, back to the OS now: the weights load meanwhile (the peak)
+            return tok
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     except Exception as e:  # transformers raises many types for a bad file or cache
         raise SelfSpecError(f"cannot load the tokenizer of {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
