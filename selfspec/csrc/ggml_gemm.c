@@ -302,7 +302,7 @@ static inline float hsum8(const float *a) {
 }
 
 static inline int is_legacy(int type) { return type == T_Q8_0 || type == T_Q4_0 || type == T_Q5_0 || type == T_IQ4_NL; }
-static inline int packable(int type) { return is_legacy(type) || type == T_Q4_K; } /* selfspec_ggml_pack's types */
+static inline int packable(int type) { return is_legacy(type) || type == T_Q4_K || type == T_Q6_K; } /* selfspec_ggml_pack's types */
 static inline int is_k(int type) { return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K || type == T_IQ4_XS; }
 static inline int one_sum(int type) { return type == T_Q6_K || type == T_IQ4_XS; } /* one integer S a super-block */
 static inline int is_float(int type) { return type == T_F16 || type == T_BF16; }
@@ -627,7 +627,12 @@ static inline __attribute__((always_inline)) float q6k_row1(const uint8_t *row, 
  * 96 bytes: at 32 + 8c + i the low four bits of sc[c][i] (low nibble) and of m[c][i] (high); at
  * 96 + 8c + i (c < 4) their top two bits, sc[c] in bits 0-1, m[c] 2-3, sc[c + 4] 4-5, m[c + 4] 6-7;
  * then 32 vectors, vector v's word i the stored word v of row i's 128 bytes of nibbles (v = 8 jj
- * + q: chunk 2 jj's values 4q..4q+3 in the low nibbles, chunk 2 jj + 1's in the high). */
+ * + q: chunk 2 jj's values 4q..4q+3 in the low nibbles, chunk 2 jj + 1's in the high).
+ * Q6_K (8 * 210 bytes a super-block): d (16 bytes); the int8 scales, at 16 + 8 g + i row i's of
+ * group g (16 values); then group g's stored 0..63 values u (v + 32), four quads U0..U3 of eight
+ * rows' four values as above, in three vectors at 144 + 96 g: A = U0 | U3 << 6, B = U1 | (U3 >> 2)
+ * << 6, C = U2 | (U3 >> 4) << 6 (bytewise), so that U0..U2 are one AND each and U3 the top two
+ * bits of A, B, C; S = sum over groups of sc * (u . xq) - 32 * (sum over groups of sc * xs): exact. */
 #define GG_PACK 8
 
 static inline int legacy_bytes(int type) { return type == T_Q8_0 ? 34 : type == T_Q5_0 ? 22 : 18; }
@@ -790,6 +795,63 @@ static inline __attribute__((always_inline)) void packed_q4k_rows(const gg_job *
     }
 }
 
+/* rows n0..n1-1 (multiples of 8) of a packed Q6_K part for activation rows m0..m0+mr-1 */
+static inline __attribute__((always_inline)) void packed_q6k_rows(const gg_job *j, const ss_gpart *p, long g, long n0, long n1, long m0, int mr) {
+    const long K = j->K, NSB = K / 256, pb = 8L * 210;
+    const int8_t *kq = j->kq + m0 * K;
+    const float *ks = j->ks + m0 * NSB;
+    const int16_t *kxs = j->kxs + m0 * (K / 16);
+    const __m256i m63 = _mm256_set1_epi8(63), m3 = _mm256_set1_epi8(3), m12 = _mm256_set1_epi8(12), m48 = _mm256_set1_epi8(0x30);
+    for (long n = n0; n < n1; n += GG_PACK) {
+        const uint8_t *blk = p->data + (n / GG_PACK) * NSB * pb;
+        const char *pf = (const char *)blk + GG_PF_BYTES;
+        __m256 acc[GG_ROWS];
+        for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_ps();
+        for (long sb = 0; sb < NSB; sb++, blk += pb) {
+            GG_STREAM(pf, blk + pb);
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+            const uint8_t *sc = blk + 16;
+            __m256i S[GG_ROWS];
+            for (int r = 0; r < mr; r++) S[r] = _mm256_setzero_si256();
+            for (int gq = 0; gq < 16; gq++) { /* group gq: values 16 gq .. 16 gq + 15 */
+                const uint8_t *t = blk + 144 + 96 * gq;
+                const __m256i A = _mm256_loadu_si256((const __m256i *)t), B = _mm256_loadu_si256((const __m256i *)(t + 32)),
+                              Cv = _mm256_loadu_si256((const __m256i *)(t + 64));
+                const __m256i U[4] = {_mm256_and_si256(A, m63), _mm256_and_si256(B, m63), _mm256_and_si256(Cv, m63),
+                    _mm256_or_si256(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 6), m3), _mm256_and_si256(_mm256_srli_epi16(B, 4), m12)),
+                                    _mm256_and_si256(_mm256_srli_epi16(Cv, 2), m48))};
+                const __m256i scv = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8 * gq)));
+                for (int r = 0; r < mr; r++) {
+                    const int8_t *x = kq + r * K + 256 * sb + 16 * gq;
+                    __m256i T[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+                    for (int q = 0; q < 4; q++) {
+                        int32_t x4;
+                        memcpy(&x4, x + 4 * q, 4);
+                        T[q % 2] = dot4(T[q % 2], U[q], _mm256_set1_epi32(x4));
+                    }
+                    S[r] = _mm256_add_epi32(S[r], _mm256_mullo_epi32(_mm256_add_epi32(T[0], T[1]), scv));
+                }
+            }
+            __m256i sp[8]; /* int16 pairs (sc of group 2k, of group 2k + 1) a row of W */
+            for (int k = 0; k < 8; k++)
+                sp[k] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(sc + 16 * k)),
+                                                               _mm_loadl_epi64((const __m128i *)(sc + 16 * k + 8))));
+            for (int r = 0; r < mr; r++) {
+                const int16_t *xs = kxs + r * (K / 16) + 16 * sb;
+                __m256i O = _mm256_setzero_si256();
+                for (int k = 0; k < 8; k++) {
+                    int32_t pair;
+                    memcpy(&pair, xs + 2 * k, 4); /* xs of groups 2k, 2k + 1 */
+                    O = dot_ws(O, sp[k], _mm256_set1_epi32(pair));
+                }
+                const __m256i L = _mm256_sub_epi32(S[r], _mm256_slli_epi32(O, 5));
+                acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(ks[r * NSB + sb])), _mm256_cvtepi32_ps(L), acc[r]);
+            }
+        }
+        for (int r = 0; r < mr; r++) put8(j, m0 + r, g + n, acc[r]);
+    }
+}
+
 /* rows n0..n1-1 of part p (global column base g) for rows m0..m0+mr-1 (inlined: a one-row
  * call gets its own copy, its accumulator in a register) */
 static inline __attribute__((always_inline)) void part_rows(const gg_job *j, const ss_gpart *p, long g, long n0, long n1, long m0, int mr) {
@@ -802,6 +864,7 @@ static inline __attribute__((always_inline)) void part_rows(const gg_job *j, con
     const char *pf = GG_STREAM_AT(p, n0);
     if (p->packed) {
         if (p->type == T_Q4_K) packed_q4k_rows(j, p, g, n0, n1, m0, mr);
+        else if (p->type == T_Q6_K) packed_q6k_rows(j, p, g, n0, n1, m0, mr);
         else packed_rows(j, p, g, n0, n1, m0, mr);
         return;
     }
@@ -1114,7 +1177,31 @@ static void pack_region(void *ctx, int tid, int nt) {
                 for (int v = 0; v < 32; v++) memcpy(o + 128 + 32 * v + 4 * i, b + 16 + 4 * v, 4);
             }
         }
-    for (long G = g0; G < g1 && type != T_Q4_K; G++)
+    for (long G = g0; G < g1 && type == T_Q6_K; G++)
+        for (long sb = 0; sb < C; sb++) {
+            uint8_t *o = p->dst + (G * C + sb) * 8 * bytes;
+            for (int i = 0; i < 8; i++) {
+                const uint8_t *b = p->src + (8 * G + i) * p->row_bytes + sb * bytes;
+                memcpy(o + 2 * i, b + 208, 2);
+                for (int gq = 0; gq < 16; gq++) o[16 + 8 * gq + i] = b[192 + gq];
+                uint8_t u[256]; /* the stored 0..63 values of the super-block */
+                for (int c = 0; c < 8; c++) {
+                    const int h = c / 4, cc = c % 4;
+                    const uint8_t *ql = b + 64 * h + 32 * (cc % 2), *qh = b + 128 + 32 * h;
+                    for (int l = 0; l < 32; l++)
+                        u[32 * c + l] = (uint8_t)(((ql[l] >> (4 * (cc / 2))) & 15) | ((qh[l] >> (2 * cc)) & 3) << 4);
+                }
+                for (int gq = 0; gq < 16; gq++)
+                    for (int t = 0; t < 4; t++) { /* byte 4i + t of each vector: value 16 gq + 4 q + t of row i */
+                        const uint8_t u0 = u[16 * gq + t], u1 = u[16 * gq + 4 + t], u2 = u[16 * gq + 8 + t], u3 = u[16 * gq + 12 + t];
+                        uint8_t *at = o + 144 + 96 * gq + 4 * i + t;
+                        at[0] = (uint8_t)(u0 | (u3 & 3) << 6);
+                        at[32] = (uint8_t)(u1 | ((u3 >> 2) & 3) << 6);
+                        at[64] = (uint8_t)(u2 | ((u3 >> 4) & 3) << 6);
+                    }
+            }
+        }
+    for (long G = g0; G < g1 && is_legacy(type); G++)
         for (long c = 0; c < C; c++) {
             uint8_t *o = p->dst + (G * C + c) * 8 * bytes;
             uint32_t *q = (uint32_t *)(void *)(o + 16), hb[8] = {0};
@@ -1140,7 +1227,7 @@ static void pack_region(void *ctx, int tid, int nt) {
 
 int selfspec_ggml_pack(int type, const uint8_t *src, long rows, long row_bytes, uint8_t *dst) {
 #ifdef __AVX2__
-    const long bytes = is_legacy(type) ? legacy_bytes(type) : type == T_Q4_K ? 144 : 0;
+    const long bytes = is_legacy(type) ? legacy_bytes(type) : type == T_Q4_K ? 144 : type == T_Q6_K ? 210 : 0;
     if (!bytes || rows <= 0 || rows % 8 || row_bytes % bytes) return 2;
     gg_pack_job p = {type, src, rows, row_bytes, bytes, dst};
     int nt = ss_threads(0);

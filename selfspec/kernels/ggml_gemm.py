@@ -18,7 +18,7 @@ Q = GGMLQuantizationType
 # in % 32 == 0); F16 / BF16 rows multiply the activations unquantized
 QUANTIZED = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS})
 TYPES = QUANTIZED | {Q.F16, Q.BF16}
-PACKED = frozenset({Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.IQ4_NL, Q.Q4_K})  # repacked eight rows side by side (csrc/ggml_gemm.c "packed blocks")
+PACKED = frozenset({Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.IQ4_NL, Q.Q4_K, Q.Q6_K})  # repacked eight rows side by side (csrc/ggml_gemm.c "packed blocks")
 PACK_ROWS = 2048  # rows packed at a time (a multiple of 8)
 MAX_PARTS = 4
 LAYOUT = 5  # selfspec_gemm's code for an ss_gweight
