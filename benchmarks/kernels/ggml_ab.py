@@ -93,7 +93,7 @@ def main() -> None:
                     raise SystemExit(f"{name}, {m} rows: the two revisions disagree beyond rounding")
                 cells.append(f"{best['then'] * 1e3:.2f} -> {best['now'] * 1e3:.2f} ({best['then'] / best['now']:.2f}x)")
             table.add_row(name, *cells)
-        Console().print(table)
+        Console(width=160).print(table)
 
 
 if __name__ == "__main__":
