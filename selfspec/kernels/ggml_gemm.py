@@ -138,8 +138,8 @@ class GGMLWeight:
 
 def _anonymous(shape: tuple[int, ...]) -> np.ndarray:
     """uint8 zeros of shape in an anonymous mapping of their own: numpy's own allocation asks for
-    transparent huge pages, whose faults cost ~4x the small pages' on the VMs measured (1 GB
-    touched: 2.2 s against 0.5-0.6 s; benchmarks/RESULTS.md), and a packed copy is written once."""
+    transparent huge pages, whose faults cost several times the small pages' on the VMs measured
+    (benchmarks/RESULTS.md), and a packed copy is written once."""
     n = int(np.prod(shape))
     return np.frombuffer(mmap.mmap(-1, max(n, 1)), dtype=np.uint8, count=n).reshape(shape)
 
