@@ -4,7 +4,7 @@
  * block types (the runtime's fused q|k|v and gate|up matrices).
  *
  * Activations are quantized per row, in blocks of B consecutive k: B = 32 for the 32-value
- * formats (Q8_0, Q4_0, Q5_0), B = 256 for the K-quants (as llama.cpp's Q8_K: one scale per
+ * formats (Q8_0, Q4_0, Q5_0, IQ4_NL, Q4_1, Q5_1), B = 256 for the K-quants (as llama.cpp's Q8_K: one scale per
  * super-block, so a super-block's sub-blocks add up in integers):
  *   sx[b] = amax |x[k]| / 127 (fp32; x bf16 or fp32 widened exactly)
  *   xq[k] = clamp(rne(x[k] * (1 / sx[b])), -127, 127) (NaN -> -127); sx == 0: xq = 0
@@ -27,8 +27,8 @@
  *   Q4_K, Q5_K, two integers: S = sum over the super-block's chunks s of sc[s] * (sum over the
  *     chunk of v * xq), M = sum over s of m[s] * (the xs of chunk s's two groups);
  *     acc = fmaf(d * sx[sb], (float)S, acc), mt = fmaf(dmin * sx[sb], (float)M, mt); y = acc - mt
- *     (Q4_K packed as the legacy formats, eight rows side by side: "packed blocks" below)
  *   Q6_K, one integer: S = sum over the super-block of sc * v * xq; acc = fmaf(d * sx[sb], (float)S, acc); y = acc.
+ *   (Q4_K and Q6_K packed as the legacy formats, eight rows side by side: "packed blocks" below.)
  * F16, BF16 (one value a "block": unquantized rows, as a file stores its full-precision matrices):
  *   no activation quantization; 32 fp32 lanes, lane l over k = 32 c + l, acc[l] = fmaf(w[k], x[k], acc[l])
  *   (w widened exactly, x as given: fp32, or bf16 widened exactly), then four 8-lane vectors
