@@ -145,8 +145,8 @@ def _anonymous(shape: tuple[int, ...]) -> np.ndarray:
 
 
 def _pack_fn():
-    """csrc/ggml_gemm.c selfspec_ggml_pack, or None without the kernels."""
-    if build._load() is None:
+    """csrc/ggml_gemm.c selfspec_ggml_pack, or None without the kernels (or with them switched off)."""
+    if not build.available():
         return None
     fn = build._blocks["dll"].selfspec_ggml_pack
     fn.restype = ctypes.c_int
